@@ -1,0 +1,1 @@
+"""Benchmarks: each writes machine-readable JSON and a PNG plot."""

@@ -1,0 +1,133 @@
+"""The `starsd` command. Flags for typed settings are generated from their dataclasses (config.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from starsd import config as C
+from starsd import weights
+from starsd.models.loading import ModelLoadError
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", skip=()) -> None:
+    """One flag per field of `cls`: --{prefix}{field-name}, typed, with its default and help."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        dest = (prefix + f.name).replace("-", "_")
+        help_ = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag, dest=dest, type=kind, default=f.default, help=help_,
+                                choices=f.metadata.get("choices"))
+
+
+def from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
+    values = {f.name: getattr(args, (prefix + f.name).replace("-", "_"))
+              for f in dataclasses.fields(cls) if f.name not in overrides}
+    return cls(**values, **overrides)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=weights.DEFAULT_TARGET, help="target model (pinned name, directory or hub id)")
+    p.add_argument("--draft", default=weights.DEFAULT_DRAFT, help="draft model (pinned name, directory or hub id)")
+    add_dataclass_args(p, C.ModelConfig, skip=("path",))
+    p.add_argument("--cache-dir", default=None, help=f"model cache (default: ${weights.CACHE_ENV} or ~/.cache/starsd)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+def model_configs(args) -> tuple[C.ModelConfig, C.ModelConfig]:
+    return (from_args(C.ModelConfig, args, path=args.target), from_args(C.ModelConfig, args, path=args.draft))
+
+
+def cmd_models(args) -> int:
+    if args.action == "list":
+        for name, spec in weights.PINNED.items():
+            state = "cached" if weights.is_cached(name, args.cache_dir) else "not fetched"
+            print(f"{name:32s} {state:12s} {spec.description}")
+        return 0
+    names = args.names or list(weights.PINNED)
+    for name in names:
+        path = weights.fetch(name, args.cache_dir, log=lambda m: print(m, file=sys.stderr))
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from starsd.colocated import Pair
+    from starsd.prompts import Prompt
+
+    target_cfg, draft_cfg = model_configs(args)
+    pair = Pair.load(target_cfg, None if args.no_spec else draft_cfg, args.cache_dir, args.threads)
+    prompt = Prompt("cli", args.prompt, chat=args.chat)
+    sampling = from_args(C.SamplingConfig, args)
+    draft = from_args(C.DraftConfig, args, prefix="draft-")
+    gen = pair.generate(prompt, args.max_new_tokens, sampling, None if args.no_spec else draft)
+    text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({
+            "prompt": args.prompt, "token_ids": gen.token_ids, "text": text, "num_steps": gen.num_steps,
+            "mean_accepted": gen.mean_accepted, "seconds": round(gen.seconds, 4),
+            "tokens_per_s": round(gen.tokens_per_s, 3), "speculative": not args.no_spec,
+        }))
+    else:
+        print(text)
+        mode = "target-only" if args.no_spec else f"speculative, {gen.mean_accepted:.2f} accepted/step"
+        print(f"[{len(gen.token_ids)} tokens, {gen.num_steps} steps, {gen.tokens_per_s:.2f} tok/s, {mode}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from starsd.bench import colocated
+
+    return colocated.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="starsd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="fetch or list the pinned offline model pair")
+    p.add_argument("action", choices=("fetch", "list"))
+    p.add_argument("names", nargs="*", help=f"pinned names (default: all): {', '.join(weights.PINNED)}")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="co-located decoding in one process")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(p)
+    add_dataclass_args(p, C.SamplingConfig)
+    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
+    bench = p.add_subparsers(dest="bench", required=True)
+    from starsd.bench import colocated
+
+    colocated.add_args(bench.add_parser("colocated", help="target-only vs speculative vs HF assisted, one process"))
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, weights.WeightsError, ModelLoadError) as e:  # clear on their own: no traceback
+        print(f"starsd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""A target and its draft loaded side by side in one process (the co-located baseline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from starsd.config import DraftConfig, ModelConfig, SamplingConfig
+from starsd.generate import Generation, speculative, target_only
+from starsd.models.drafter import Drafter
+from starsd.models.loading import check_pair, eos_ids, load_model, load_tokenizer, logits_width
+from starsd.models.target import TargetModel
+from starsd.prompts import Prompt
+
+
+@dataclass
+class Pair:
+    target: TargetModel
+    drafter: Drafter | None
+    tokenizer: object
+    eos_ids: frozenset[int]
+
+    @classmethod
+    def load(cls, target_cfg: ModelConfig, draft_cfg: ModelConfig | None, cache: str | None = None,
+             threads: int = 0) -> "Pair":
+        """Load the target (and the draft, unless None); refuse a draft with another vocabulary."""
+        if threads:
+            torch.set_num_threads(threads)
+        tokenizer = load_tokenizer(target_cfg.path, cache)
+        target = load_model(target_cfg, cache)
+        drafter = None
+        if draft_cfg is not None:
+            draft_tok = load_tokenizer(draft_cfg.path, cache)
+            draft = load_model(draft_cfg, cache)
+            check_pair(tokenizer, logits_width(target), draft_tok, logits_width(draft))
+            drafter = Drafter(draft)
+        return cls(TargetModel(target), drafter, tokenizer, eos_ids(target, tokenizer))
+
+    def generate(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingConfig,
+                 draft: DraftConfig | None) -> Generation:
+        ids = prompt.encode(self.tokenizer)
+        if draft is None:
+            return target_only(self.target, ids, max_new_tokens, sampling, self.eos_ids)
+        if self.drafter is None:
+            raise ValueError("speculative decoding needs a draft model")
+        return speculative(self.target, self.drafter, ids, max_new_tokens, draft, sampling, self.eos_ids)

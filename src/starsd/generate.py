@@ -1,0 +1,91 @@
+"""Co-located decoding in one process: target-only, and speculative (draft -> verify -> accept).
+
+Both loops share the target's forward pass and the sampling code, so greedy speculative output can
+be compared token for token with target-only output."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.models.drafter import Drafter
+from starsd.models.target import TargetModel
+from starsd.tree import DraftTree
+from starsd.verify import Verdict, make_generator, next_token, verify
+
+
+@dataclass
+class Generation:
+    """What one request produced. token_ids excludes the prompt and includes a final EOS if hit."""
+
+    token_ids: list[int]
+    num_steps: int  # target forward passes after the prefill
+    accepted: list[int] = field(default_factory=list)  # drafted tokens accepted at each verify step
+    seconds: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def clip(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """Cut emitted tokens at the budget and just after the first EOS; say whether decoding ends."""
+    out = []
+    for t in tokens[:budget]:
+        out.append(t)
+        if t in eos_ids:
+            return out, True
+    return out, len(out) >= budget
+
+
+def target_only(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
+                sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset()) -> Generation:
+    t0 = time.perf_counter()
+    gen = make_generator(sampling.seed)
+    seq = target.start(prompt_ids)
+    out: list[int] = []
+    steps = 0
+    done = max_new_tokens <= 0
+    while not done:
+        logits = target.score(seq, DraftTree.empty())
+        steps += 1
+        emitted, done = clip([next_token(logits[0], sampling, gen)], max_new_tokens - len(out), eos_ids)
+        out += emitted
+        if not done:
+            target.commit(seq, Verdict([], emitted))
+    return Generation(out, steps, seconds=time.perf_counter() - t0)
+
+
+def speculative(target: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
+                draft_cfg: DraftConfig, sampling: SamplingConfig,
+                eos_ids: frozenset[int] = frozenset()) -> Generation:
+    t0 = time.perf_counter()
+    verify_gen = make_generator(sampling.seed)
+    draft_gen = make_generator(sampling.seed + 1)
+    seq = target.start(prompt_ids)
+    dseq = drafter.start(prompt_ids)
+    new_tokens: list[int] = []
+    out: list[int] = []
+    accepted: list[int] = []
+    done = max_new_tokens <= 0
+    while not done:
+        tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen)
+        budget = max_new_tokens - len(out)
+        if budget - 1 < draft_cfg.depth:  # at most budget tokens can come out: budget-1 drafted + 1
+            tree = tree.truncate(budget - 1)
+        logits = target.score(seq, tree)
+        verdict = verify(tree, logits, sampling, verify_gen)
+        accepted.append(verdict.num_accepted)
+        emitted, done = clip(verdict.tokens, budget, eos_ids)
+        out += emitted
+        if not done:
+            target.commit(seq, verdict)
+            new_tokens = verdict.tokens
+    return Generation(out, len(accepted), accepted, time.perf_counter() - t0)

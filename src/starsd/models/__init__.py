@@ -1,0 +1,1 @@
+"""Model backends on transformers: the target scorer and the drafters."""

@@ -1,0 +1,97 @@
+"""Loading a target or draft model and its tokenizer, and checking that a pair can work together."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from starsd import weights
+from starsd.config import ModelConfig
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded."""
+
+
+class VocabMismatch(ValueError):
+    """Target and draft do not share one tokenizer: their token ids would mean different things."""
+
+
+def resolve(path: str, cache: str | None = None) -> str:
+    """A pinned name becomes its cached directory (fetched on first use); anything else is kept."""
+    if path in weights.PINNED:
+        return str(weights.fetch(path, cache))
+    return path
+
+
+def load_tokenizer(path: str, cache: str | None = None):
+    from transformers import AutoTokenizer
+
+    where = resolve(path, cache)
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except Exception as e:  # transformers raises OSError, ValueError, HF hub errors ...
+        raise ModelLoadError(_not_found(path, e)) from e
+
+
+def load_model(cfg: ModelConfig, cache: str | None = None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    where = resolve(cfg.path, cache)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa"
+        )
+    except Exception as e:
+        raise ModelLoadError(_not_found(cfg.path, e)) from e
+    return model.to(cfg.device).eval()
+
+
+def _not_found(path: str, e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    kind = "directory" if Path(path).is_dir() else "name"
+    return (f"cannot load model {path!r} ({kind}): {first}. Use a pinned name "
+            f"({', '.join(weights.PINNED)}), a local Hugging Face model directory, or a hub id with hub access.")
+
+
+def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
+    """sha256 over the token -> id map, the special tokens and the model's logits width.
+    Two models may draft for each other exactly when their fingerprints agree."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+        "eos": tokenizer.eos_token_id,
+        "logits": vocab_size,
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+
+
+def check_pair(target_tok, target_vocab: int, draft_tok, draft_vocab: int) -> str:
+    """Refuse a target/draft pair whose vocabularies differ; return the shared fingerprint."""
+    a = vocab_fingerprint(target_tok, target_vocab)
+    b = vocab_fingerprint(draft_tok, draft_vocab)
+    if a != b:
+        raise VocabMismatch(
+            f"target and draft vocabularies differ (target: {len(target_tok)} tokens, logits {target_vocab}, "
+            f"fingerprint {a[:12]}; draft: {len(draft_tok)} tokens, logits {draft_vocab}, fingerprint {b[:12]}). "
+            "Speculative decoding needs one shared tokenizer."
+        )
+    return a
+
+
+def logits_width(model: torch.nn.Module) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def eos_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """Every token that ends a generation: the tokenizer's EOS and the model's generation config's."""
+    ids = set()
+    cfg_eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    for e in (tokenizer.eos_token_id, cfg_eos):
+        if isinstance(e, int):
+            ids.add(e)
+        elif e is not None:
+            ids.update(e)
+    return frozenset(ids)

@@ -1,0 +1,92 @@
+"""Token trees: the shape of a draft.
+
+A draft tree hangs below a *root*: the last token the target has committed (its "pending" token).
+Nodes are numbered 0..n-1 in topological order (a parent always comes before its children);
+`parents[i]` is the index of node i's parent, or -1 when the parent is the root. A chain of length n
+is the tree with parents [-1, 0, 1, ..., n-2].
+
+Where a tensor covers the root as well, row/column 0 is the root and node i is row i + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A draft: tokens, their tree shape and, for sampled drafts, the distributions they came from.
+
+    tokens:  [n] int64, the drafted token of each node
+    parents: [n] int64, parent node index, -1 for children of the root
+    q:       [n, V] float32 or None. q[i] is the draft distribution node i was *sampled* from. None
+             means every node was chosen deterministically (top-k / argmax): verification then treats
+             each node's q as one-hot on its token, which keeps the target distribution for any choice
+             of distinct siblings.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor | None = None
+
+    def __post_init__(self):
+        n = self.tokens.shape[0]
+        if self.tokens.ndim != 1 or self.parents.shape != (n,):
+            raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be [n]")
+        if n and not bool((self.parents < torch.arange(n)).all() and (self.parents >= -1).all()):
+            raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
+        if self.q is not None and self.q.shape[0] != n:
+            raise ValueError(f"q has {self.q.shape[0]} rows for {n} nodes")
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def chain(cls, tokens: list[int] | torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        return cls(tokens, torch.arange(tokens.shape[0]) - 1, q)
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+    def truncate(self, max_depth: int) -> "DraftTree":
+        """Keep only the nodes at depth <= max_depth (used when the token budget ends inside a draft)."""
+        keep = (depths(self.parents) <= max_depth).nonzero().squeeze(1)
+        remap = torch.full((len(self) + 1,), -1, dtype=torch.long)
+        remap[keep + 1] = torch.arange(keep.shape[0])
+        parents = remap[self.parents[keep] + 1]
+        q = None if self.q is None else self.q[keep]
+        return DraftTree(self.tokens[keep], parents, q)
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """[n] depth of each node; children of the root have depth 1."""
+    out = torch.zeros(parents.shape[0], dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        out[i] = 1 if p < 0 else out[p] + 1
+    return out
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[n+1, n+1] bool, root included as row/col 0: mask[i, j] is True when j is i or an ancestor of i.
+
+    This is the tree attention mask: each node attends to the root, its ancestors and itself."""
+    n = parents.shape[0]
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents.tolist()):
+        row = i + 1
+        mask[row] = mask[p + 1]
+        mask[row, row] = True
+    return mask
+
+
+def children(parents: torch.Tensor) -> list[list[int]]:
+    """children[j + 1] lists the nodes whose parent is j (children[0]: the root's), in node order."""
+    out: list[list[int]] = [[] for _ in range(parents.shape[0] + 1)]
+    for i, p in enumerate(parents.tolist()):
+        out[p + 1].append(i)
+    return out

@@ -1,0 +1,147 @@
+"""Speculative sampling: the math that makes speculative decoding lossless. Pure tensor code.
+
+Vocabulary (one verify step of one sequence):
+- draft tree: the nodes the drafter proposed below the root (see `tree.py`); a chain is a tree.
+- target distribution p: the target's warped next-token distribution after the root and after
+  every node, from ONE forward pass over root + tree.
+- accepted tokens: the path of draft nodes that verification keeps, from the root downwards.
+- recovered token: on a rejection, the token sampled from the residual distribution
+  norm(max(0, p - q)); it replaces the rejected draft token.
+- bonus token: when the path ends at a leaf (or the draft is empty), a token sampled from p at
+  that leaf, for free.
+Every step therefore emits len(accepted) + 1 tokens.
+
+The rule (Leviathan et al. 2023, Chen et al. 2023) accepts draft token x drawn from q with
+probability min(1, p(x) / q(x)); its output is distributed exactly as p. For several candidate
+children of one node the rule is applied to each in turn, the residual replacing p after each
+rejection (SpecInfer's multi-round rule). A deterministically chosen candidate (top-k, argmax) has
+q = one-hot: it is accepted with probability p(x), and the residual is p with x removed; this keeps
+the target distribution for any set of distinct siblings. Greedy decoding (temperature 0) reduces
+to exact argmax matching, so it reproduces target-only greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from starsd.config import SamplingConfig
+from starsd.tree import DraftTree, children
+
+
+def warp(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities of the sampling distribution s.
+
+    Temperature first, then top-k, then top-p (the order of target-only sampling in every
+    engine). Greedy (temperature 0) gives the one-hot of the argmax."""
+    logits = logits.float()
+    if s.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / s.temperature
+    if 0 < s.top_k < logits.shape[-1]:
+        kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = mass_before >= s.top_p  # the first token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from [V] probabilities (need not be normalised)."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def next_token(logits: torch.Tensor, s: SamplingConfig, generator: torch.Generator | None) -> int:
+    """Target-only decoding: the next token from [V] logits."""
+    if s.greedy:
+        return int(logits.argmax(-1).item())
+    return sample(warp(logits, s), generator)
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class Verdict:
+    """The outcome of verifying one draft tree.
+
+    path:   accepted node indices from the root downwards (len = number of accepted draft tokens)
+    tokens: the accepted draft tokens followed by the recovered or bonus token (len(path) + 1)
+    """
+
+    path: list[int]
+    tokens: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+def verify(tree: DraftTree, target_logits: torch.Tensor, s: SamplingConfig,
+           generator: torch.Generator | None) -> Verdict:
+    """target_logits: [n+1, V], row 0 after the root, row i+1 after node i."""
+    if s.greedy:
+        return verify_greedy(tree, target_logits)
+    return verify_stochastic(tree, warp(target_logits, s), generator)
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
+    """Follow the argmax of the target through the tree for as long as a child matches it."""
+    best = target_logits.argmax(-1).tolist()  # [n+1]
+    tokens = tree.tokens.tolist()
+    kids = children(tree.parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        match = next((c for c in kids[row] if tokens[c] == best[row]), None)
+        if match is None:
+            return Verdict(path, [tokens[c] for c in path] + [best[row]])
+        path.append(match)
+        row = match + 1
+
+
+def verify_stochastic(tree: DraftTree, target_probs: torch.Tensor,
+                      generator: torch.Generator | None) -> Verdict:
+    """target_probs: [n+1, V] warped target distributions. Multi-round speculative sampling."""
+    tokens = tree.tokens.tolist()
+    kids = children(tree.parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = target_probs[row]
+        accepted = None
+        for c in kids[row]:
+            x = tokens[c]
+            qx = 1.0 if tree.q is None else float(tree.q[c, x])
+            u = float(torch.rand((), generator=generator))
+            if u * qx < float(p[x]):  # accept with probability min(1, p(x) / q(x))
+                accepted = c
+                break
+            p = residual(p, x, None if tree.q is None else tree.q[c])
+        if accepted is None:
+            return Verdict(path, [tokens[c] for c in path] + [sample(p, generator)])
+        path.append(accepted)
+        row = accepted + 1
+
+
+def residual(p: torch.Tensor, x: int, q: torch.Tensor | None) -> torch.Tensor:
+    """norm(max(0, p - q)) after rejecting x; q None means one-hot on x. [V] -> [V]."""
+    if q is None:
+        r = p.clone()
+        r[x] = 0.0
+    else:
+        r = (p - q).clamp_min(0.0)
+    total = r.sum()
+    if total <= 0:  # p <= q everywhere: rejection had probability 0, only rounding gets here
+        return p
+    return r / total
