@@ -1,0 +1,141 @@
+"""End to end on tiny random models: speculative decoding is lossless and handles the edges."""
+
+import collections
+
+import pytest
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.generate import speculative, target_only
+from starsd.verify import warp
+
+GREEDY = SamplingConfig()
+DRAFTS = [
+    DraftConfig(depth=1),
+    DraftConfig(depth=4),
+    DraftConfig(depth=7),
+    DraftConfig(depth=3, top_k=2, total_tokens=6),
+    DraftConfig(depth=5, top_k=4, total_tokens=12),
+    DraftConfig(depth=4, top_k=3),  # keeps every candidate
+]
+PROMPTS = [[5], [17, 3, 99], list(range(20, 60)), [7, 7, 7, 7, 7, 7]]
+
+
+@pytest.mark.parametrize("quality", ["perfect", "good", "random"])
+@pytest.mark.parametrize("draft", DRAFTS, ids=lambda d: f"d{d.depth}k{d.top_k}n{d.max_nodes}")
+def test_greedy_equals_target_only(tiny_target, tiny_drafters, quality, draft):
+    for prompt in PROMPTS:
+        ref = target_only(tiny_target, prompt, 40, GREEDY)
+        got = speculative(tiny_target, tiny_drafters[quality], prompt, 40, draft, GREEDY)
+        assert got.token_ids == ref.token_ids, (quality, draft, prompt)
+        assert len(got.accepted) == got.num_steps
+
+
+def test_perfect_chain_accepts_everything(tiny_target, tiny_drafters):
+    got = speculative(tiny_target, tiny_drafters["perfect"], [5, 6], 50, DraftConfig(depth=4), GREEDY)
+    assert got.accepted[:-1] == [4] * (len(got.accepted) - 1)
+    assert got.num_steps == 10  # 50 tokens, 5 per step
+
+
+def test_random_draft_still_progresses(tiny_target, tiny_drafters):
+    got = speculative(tiny_target, tiny_drafters["random"], [5, 6], 30, DraftConfig(depth=4), GREEDY)
+    assert len(got.token_ids) == 30 and got.num_steps <= 30
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 5, 6, 9])
+def test_budget_ends_inside_a_draft(tiny_target, tiny_drafters, max_new):
+    ref = target_only(tiny_target, [9, 8], max_new, GREEDY)
+    for draft in (DraftConfig(depth=4), DraftConfig(depth=8), DraftConfig(depth=4, top_k=3)):
+        got = speculative(tiny_target, tiny_drafters["perfect"], [9, 8], max_new, draft, GREEDY)
+        assert got.token_ids == ref.token_ids and len(got.token_ids) == max_new
+
+
+def test_zero_budget(tiny_target, tiny_drafters):
+    assert speculative(tiny_target, tiny_drafters["good"], [1], 0, DraftConfig(), GREEDY).token_ids == []
+    assert target_only(tiny_target, [1], 0, GREEDY).token_ids == []
+
+
+@pytest.mark.parametrize("position", [0, 2, 3, 6])
+def test_eos_inside_a_draft(tiny_target, tiny_drafters, position):
+    """Declare the token at `position` of the greedy output to be EOS: both decoders stop just after
+    its first occurrence, even when a perfect draft proposes tokens beyond it."""
+    full = target_only(tiny_target, [4, 2], 20, GREEDY).token_ids
+    eos = frozenset({full[position]})
+    ref = target_only(tiny_target, [4, 2], 20, GREEDY, eos)
+    assert ref.token_ids == full[: full.index(full[position]) + 1]
+    for draft in (DraftConfig(depth=5), DraftConfig(depth=4, top_k=2)):
+        got = speculative(tiny_target, tiny_drafters["perfect"], [4, 2], 20, draft, GREEDY, eos)
+        assert got.token_ids == ref.token_ids
+
+
+def test_empty_prompt_is_refused(tiny_target, tiny_drafters):
+    with pytest.raises(ValueError, match="empty prompt"):
+        target_only(tiny_target, [], 5, GREEDY)
+    with pytest.raises(ValueError, match="empty prompt"):
+        speculative(tiny_target, tiny_drafters["good"], [], 5, DraftConfig(), GREEDY)
+
+
+@pytest.mark.parametrize("draft", [DraftConfig(depth=3), DraftConfig(depth=3, sample=True),
+                                   DraftConfig(depth=3, top_k=2, total_tokens=5)],
+                         ids=["greedy-chain", "sampled-chain", "tree"])
+def test_seeded_sampling_is_reproducible(tiny_target, tiny_drafters, draft):
+    s = SamplingConfig(temperature=0.9, top_p=0.95, seed=11)
+    a = speculative(tiny_target, tiny_drafters["good"], [3, 4], 30, draft, s)
+    b = speculative(tiny_target, tiny_drafters["good"], [3, 4], 30, draft, s)
+    c = speculative(tiny_target, tiny_drafters["good"], [3, 4], 30, draft, SamplingConfig(temperature=0.9, top_p=0.95, seed=12))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def _exact_two_token_distribution(target, prompt, s):
+    """p(t1) and p(t2 | t1) of target-only sampling, from the target's own logits."""
+    seq = target.start(prompt)
+    from starsd.tree import DraftTree
+
+    p1 = warp(target.score(seq, DraftTree.empty())[0], s)
+    cond = {}
+    for t1 in p1.nonzero().squeeze(1).tolist():
+        s2 = target.start(prompt + [t1])
+        cond[t1] = warp(target.score(s2, DraftTree.empty())[0], s)
+    return p1, cond
+
+
+@pytest.mark.parametrize("draft", [DraftConfig(depth=2, sample=True), DraftConfig(depth=2),
+                                   DraftConfig(depth=2, top_k=3, total_tokens=6)],
+                         ids=["sampled-chain", "greedy-chain", "tree"])
+def test_sampled_output_follows_target_distribution(tiny_target, tiny_drafters, draft):
+    """The joint law of the first two sampled tokens matches target-only sampling: total variation
+    to the exact target law is small, and several times smaller than to the draft's own law."""
+    s = SamplingConfig(temperature=1.0, top_k=6)
+    prompt = [10, 11, 12]
+    p1, cond = _exact_two_token_distribution(tiny_target, prompt, s)
+    exact = {(a, b): float(p1[a] * cond[a][b]) for a in cond for b in cond[a].nonzero().squeeze(1).tolist()}
+    drafter = tiny_drafters["good"]
+    d1, dcond = _exact_two_token_distribution(type(tiny_target)(drafter.model), prompt, s)
+    draft_law = {(a, b): float(d1[a] * dcond[a][b]) for a in dcond for b in dcond[a].nonzero().squeeze(1).tolist()}
+
+    trials = 3000
+    counts = collections.Counter()
+    for seed in range(trials):
+        g = speculative(tiny_target, drafter, prompt, 2, draft, SamplingConfig(temperature=1.0, top_k=6, seed=seed))
+        counts[tuple(g.token_ids)] += 1
+    emp = {k: v / trials for k, v in counts.items()}
+
+    def tv(a, b):
+        keys = set(a) | set(b)
+        return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in keys)
+
+    to_target, to_draft = tv(emp, exact), tv(emp, draft_law)
+    assert to_target < 0.06, (to_target, to_draft)
+    assert to_draft > 3 * to_target, (to_target, to_draft)
+
+
+def test_hidden_states_come_with_scores(tiny_target):
+    from starsd.tree import DraftTree
+
+    seq = tiny_target.start([1, 2, 3])
+    logits = tiny_target.score(seq, DraftTree.chain([4, 5]), want_hidden=True)
+    assert logits.shape == (3, 128)
+    assert seq.hidden.shape == (3, tiny_target.model.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(tiny_target.model.lm_head(seq.hidden).float(), logits)

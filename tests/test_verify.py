@@ -1,0 +1,763 @@
+"""Pure-tensor tests of starsd.verify: warp, greedy verification, residual, and -- the heart of it --
+statistical losslessness of speculative sampling on chains and trees.
+
+Losslessness setup: a small-vocabulary *Markov* target. The target's next-token distribution after
+token a is the fixed row P[a], so the target distribution at every tree row is known exactly (row 0 is
+P[root], row i+1 is P[tokens[i]]), and so is the exact law of the first two decoded tokens:
+P(t1 = a, t2 = b) = P[root, a] * P[a, b]. A Markov draft Q plays the drafter. We decode two tokens the
+way the engine does -- verify one draft, and if it emitted a single token, draft again from it and
+verify again -- and compare the empirical law of (t1, t2) with the exact one. (The joint of
+verdict.tokens[:2] restricted to verdicts that emit two tokens would be biased: whether a draft token
+is accepted depends on its value.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from starsd import verify as V_
+from starsd.config import SamplingConfig
+from starsd.tree import DraftTree
+from starsd.verify import (Verdict, make_generator, next_token, residual, verify, verify_greedy,
+                           verify_stochastic, warp)
+
+T1 = SamplingConfig(temperature=1.0)
+GREEDY = SamplingConfig()
+
+
+def t(xs):
+    return torch.tensor(xs, dtype=torch.long)
+
+
+# =============================================================================================
+# warp()
+# =============================================================================================
+
+def test_warp_greedy_is_one_hot_argmax():
+    logits = torch.randn(3, 5, 11, generator=make_generator(0))
+    probs = warp(logits, GREEDY)
+    assert probs.shape == logits.shape and probs.dtype == torch.float32
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 11).float())
+
+
+def test_warp_greedy_ignores_top_k_and_top_p():
+    logits = torch.tensor([0.1, 3.0, 2.0, -1.0])
+    probs = warp(logits, SamplingConfig(temperature=0.0, top_k=2, top_p=0.3))
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.7, 1.0, 1.5, 4.0])
+def test_warp_temperature_scales_logits(temperature):
+    logits = torch.randn(4, 9, generator=make_generator(1)) * 3
+    probs = warp(logits, SamplingConfig(temperature=temperature))
+    torch.testing.assert_close(probs, (logits / temperature).softmax(-1))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+
+
+def test_warp_temperature_orders_entropy():
+    """Lower temperature sharpens, higher flattens."""
+    logits = torch.randn(16, generator=make_generator(2)) * 2
+
+    def entropy(p):
+        return float(-(p * p.clamp_min(1e-30).log()).sum())
+
+    hs = [entropy(warp(logits, SamplingConfig(temperature=tt))) for tt in (0.3, 0.6, 1.0, 2.0, 5.0)]
+    assert hs == sorted(hs) and hs[0] < hs[-1]
+
+
+def test_warp_accepts_half_precision_logits():
+    logits = torch.randn(2, 7, generator=make_generator(3)).to(torch.bfloat16)
+    probs = warp(logits, T1)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs, logits.float().softmax(-1))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 9])
+def test_warp_top_k_keeps_exactly_k(k):
+    """With distinct logits, exactly the k largest survive, renormalised in proportion."""
+    logits = torch.randn(6, 10, generator=make_generator(4)) * 2
+    probs = warp(logits, SamplingConfig(temperature=1.0, top_k=k))
+    top = logits.topk(k, -1).indices
+    kept = probs > 0
+    assert (kept.sum(-1) == k).all()
+    assert torch.equal(kept, torch.zeros_like(kept).scatter(-1, top, True))
+    expect = torch.full_like(logits, float("-inf")).scatter(-1, top, logits.gather(-1, top)).softmax(-1)
+    torch.testing.assert_close(probs, expect)
+
+
+@pytest.mark.parametrize("k", [0, 10, 50])
+def test_warp_top_k_off_when_zero_or_at_least_vocab(k):
+    logits = torch.randn(10, generator=make_generator(5))
+    torch.testing.assert_close(warp(logits, SamplingConfig(temperature=1.0, top_k=k)), logits.softmax(-1))
+
+
+def test_warp_top_k_after_temperature():
+    logits = torch.tensor([4.0, 2.0, 1.0, 0.0])
+    probs = warp(logits, SamplingConfig(temperature=2.0, top_k=2))
+    torch.testing.assert_close(probs, torch.tensor([2.0, 1.0, -math.inf, -math.inf]).softmax(-1))
+
+
+# Hand example for top-p: p = [0.125, 0.5, 0.125, 0.25] (binary fractions, so every partial sum is
+# exact in float32 and the boundary cases are really on the boundary). Sorted: 0.5, 0.25, 0.125, 0.125;
+# cumulative 0.5, 0.75, 0.875, 1.0.
+P_HAND = torch.tensor([0.125, 0.5, 0.125, 0.25])
+
+
+@pytest.mark.parametrize("top_p, n_kept", [
+    (0.01, 1),     # tiny top_p: the top token is always kept
+    (0.3, 1),      # the top token alone already exceeds top_p
+    (0.5, 1),      # boundary: the top token's mass equals top_p exactly -> it alone suffices
+    (0.5001, 2),
+    (0.75, 2),     # boundary: 0.5 + 0.25 == 0.75
+    (0.7501, 3),   # just above: a third token is needed
+    (0.875, 3),    # boundary
+    (0.8751, 4),
+    (1.0, 4),      # off
+])
+def test_warp_top_p_hand_example(top_p, n_kept):
+    """Keeps the smallest set of most likely tokens whose mass reaches top_p, renormalised."""
+    probs = warp(P_HAND.log(), SamplingConfig(temperature=1.0, top_p=top_p))
+    kept = set((probs > 0).nonzero().squeeze(1).tolist())
+    assert len(kept) == n_kept
+    # Most likely first: token 1, then 3, then the tied 0 / 2 (either may come first).
+    assert kept >= ({1} if n_kept == 1 else {1, 3})
+    expect = torch.zeros(4)
+    idx = t(sorted(kept))
+    expect[idx] = P_HAND[idx] / P_HAND[idx].sum()
+    torch.testing.assert_close(probs, expect)
+
+
+@pytest.mark.parametrize("top_p, expect", [
+    # p = [0.1, 0.4, 0.2, 0.3]; sorted 0.4, 0.3, 0.2, 0.1 with cumulative 0.4, 0.7, 0.9, 1.0
+    (0.35, [0.0, 1.0, 0.0, 0.0]),
+    (0.6, [0.0, 4 / 7, 0.0, 3 / 7]),
+    (0.8, [0.0, 4 / 9, 2 / 9, 3 / 9]),
+    (0.95, [0.1, 0.4, 0.2, 0.3]),
+])
+def test_warp_top_p_non_binary_example(top_p, expect):
+    probs = warp(torch.tensor([0.1, 0.4, 0.2, 0.3]).log(), SamplingConfig(temperature=1.0, top_p=top_p))
+    torch.testing.assert_close(probs, torch.tensor(expect))
+
+
+def test_warp_top_p_batched_rows_independent():
+    """Each row keeps its own nucleus (the inverse permutation is per row)."""
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.3],
+                      [0.3, 0.2, 0.4, 0.1],
+                      [0.7, 0.1, 0.1, 0.1]])
+    probs = warp(p.log(), SamplingConfig(temperature=1.0, top_p=0.6))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7],
+                                                    [3 / 7, 0.0, 4 / 7, 0.0],
+                                                    [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_warp_order_is_temperature_then_top_k_then_top_p():
+    """Each step sees the distribution the previous one produced.
+
+    p = [0.4, 0.3, 0.2, 0.1]. top_k=2 renormalises to [4/7, 3/7]; top_p=0.5 then keeps only the top
+    token (4/7 >= 0.5). Applied to the raw p, top_p=0.5 would keep two tokens. Likewise temperature
+    0.5 sharpens p to [16, 9, 4, 1]/30, whose top token (0.533) alone reaches top_p = 0.5."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    assert warp(logits, SamplingConfig(temperature=1.0, top_k=2, top_p=0.5)).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert warp(logits, SamplingConfig(temperature=0.5, top_p=0.5)).tolist() == [1.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(warp(logits, SamplingConfig(temperature=1.0, top_p=0.5)),
+                               torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("s", [
+    SamplingConfig(temperature=1.0),
+    SamplingConfig(temperature=0.3),
+    SamplingConfig(temperature=2.0, top_k=5),
+    SamplingConfig(temperature=0.8, top_p=0.7),
+    SamplingConfig(temperature=1.3, top_k=20, top_p=0.9),
+    SamplingConfig(temperature=1.0, top_k=1),
+    SamplingConfig(temperature=1.0, top_p=1e-6),
+])
+def test_warp_sums_to_one_and_keeps_top_token(s):
+    logits = torch.randn(8, 50, generator=make_generator(6)) * 4
+    probs = warp(logits, s)
+    assert probs.shape == (8, 50)
+    assert (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(8))
+    top = logits.argmax(-1, keepdim=True)
+    assert (probs.gather(-1, top) > 0).all()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+
+
+def test_warp_handles_minus_inf_logits():
+    logits = torch.tensor([0.0, -math.inf, 1.0, -math.inf])
+    probs = warp(logits, SamplingConfig(temperature=1.0, top_p=0.9))
+    assert probs[1] == 0 and probs[3] == 0
+    assert float(probs.sum()) == pytest.approx(1.0)
+
+
+def test_next_token_greedy_and_sampled():
+    logits = torch.tensor([0.0, 5.0, 1.0])
+    assert next_token(logits, GREEDY, None) == 1
+    one_hot = torch.tensor([-math.inf, -math.inf, 0.0])
+    assert next_token(one_hot, T1, make_generator(0)) == 2
+
+
+# =============================================================================================
+# residual()
+# =============================================================================================
+
+@pytest.mark.parametrize("seed", range(5))
+def test_residual_sums_to_one_and_zero_where_p_le_q(seed):
+    g = make_generator(seed)
+    p = torch.rand(12, generator=g).softmax(-1)
+    q = (torch.rand(12, generator=g) * 2).softmax(-1)
+    r = residual(p, 3, q)
+    assert float(r.sum()) == pytest.approx(1.0, abs=1e-6)
+    assert (r >= 0).all()
+    assert (r[p <= q] == 0).all()
+    assert (r[p > q] > 0).all()
+    torch.testing.assert_close(r, (p - q).clamp_min(0) / (p - q).clamp_min(0).sum())
+
+
+def test_residual_hand_example():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.4, 0.1, 0.3])
+    torch.testing.assert_close(residual(p, 1, q), torch.tensor([0.75, 0.0, 0.25, 0.0]))
+
+
+def test_residual_one_hot_zeroes_x():
+    p = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    r = residual(p, 1, None)
+    torch.testing.assert_close(r, torch.tensor([1 / 6, 0.0, 2 / 6, 3 / 6]))
+    # q None is the same as an explicit one-hot q.
+    torch.testing.assert_close(r, residual(p, 1, torch.nn.functional.one_hot(t(1), 4).float()))
+    assert p.tolist() == pytest.approx([0.1, 0.4, 0.2, 0.3])  # input untouched
+
+
+def test_residual_degenerate_returns_p():
+    """When p <= q everywhere (rejection impossible) there is no residual mass; p comes back."""
+    p = torch.tensor([0.25, 0.25, 0.5])
+    assert torch.equal(residual(p, 0, p.clone()), p)
+    assert torch.equal(residual(torch.tensor([0.0, 1.0, 0.0]), 1, None), torch.tensor([0.0, 1.0, 0.0]))
+
+
+# =============================================================================================
+# verify_greedy()
+# =============================================================================================
+
+def rows_with_argmax(best: list[int], vocab: int = 10) -> torch.Tensor:
+    """[len(best), vocab] random logits whose row i has its argmax at best[i]."""
+    logits = torch.randn(len(best), vocab, generator=make_generator(len(best)))
+    logits[torch.arange(len(best)), t(best)] = 10.0
+    return logits
+
+
+def test_greedy_perfect_chain_accepts_all_plus_bonus():
+    draft = [3, 1, 4, 1]
+    logits = rows_with_argmax(draft + [5])
+    v = verify_greedy(DraftTree.chain(draft), logits)
+    assert v.path == [0, 1, 2, 3]
+    assert v.tokens == [3, 1, 4, 1, 5]
+    assert v.num_accepted == 4
+
+
+@pytest.mark.parametrize("j", [0, 1, 2, 3])
+def test_greedy_chain_wrong_at_j(j):
+    """The draft is wrong at position j: j tokens accepted, then the target's argmax."""
+    target = [3, 1, 4, 1, 5]
+    draft = list(target[:4])
+    draft[j] = (draft[j] + 1) % 10
+    # Rows after the wrong token must not matter: give them arbitrary argmaxes.
+    best = target[: j + 1] + [7] * (4 - j)
+    v = verify_greedy(DraftTree.chain(draft), rows_with_argmax(best))
+    assert v.path == list(range(j))
+    assert v.tokens == target[:j] + [target[j]]
+
+
+@pytest.mark.parametrize("match", [0, 1, 2])
+def test_greedy_tree_matching_sibling(match):
+    """root has 3 children (tokens 7, 8, 9); the target's argmax is sibling `match`, whose own two
+    children are then checked against the row of that sibling."""
+    #          0:7  1:8  2:9  3:1(0) 4:2(0) 5:1(1) 6:2(1) 7:1(2) 8:2(2)
+    parents = [-1, -1, -1, 0, 0, 1, 1, 2, 2]
+    tokens = [7, 8, 9, 1, 2, 1, 2, 1, 2]
+    tree = DraftTree(t(tokens), t(parents))
+    # Row 0: argmax = 7 + match. Row of each sibling s (= s + 1): argmax 2 for the matched sibling,
+    # 1 for others -- so picking the wrong row changes the answer. Row of node 4/6/8 (token 2): 5.
+    best = [7 + match] + [2 if s == match else 1 for s in range(3)] + [0, 5, 0, 5, 0, 5]
+    v = verify_greedy(tree, rows_with_argmax(best))
+    second = 4 + 2 * match  # the child with token 2 under the matched sibling
+    assert v.path == [match, second]
+    assert v.tokens == [7 + match, 2, 5]
+
+
+def test_greedy_tree_no_match_at_root():
+    tree = DraftTree(t([7, 8, 9]), t([-1, -1, -1]))
+    v = verify_greedy(tree, rows_with_argmax([4, 0, 0, 0]))
+    assert v.path == [] and v.tokens == [4]
+
+
+def test_greedy_first_matching_duplicate_wins():
+    tree = DraftTree(t([7, 7]), t([-1, -1]))
+    v = verify_greedy(tree, rows_with_argmax([7, 1, 2]))
+    assert v.path == [0] and v.tokens == [7, 1]
+
+
+def test_greedy_empty_tree_is_argmax_of_row_zero():
+    logits = rows_with_argmax([6])
+    v = verify_greedy(DraftTree.empty(), logits)
+    assert v == Verdict([], [6])
+
+
+def test_verify_dispatches_greedy_at_temperature_zero():
+    draft = [3, 1, 4]
+    logits = rows_with_argmax([3, 1, 2, 9])
+    assert verify(DraftTree.chain(draft), logits, GREEDY, None) == Verdict([0, 1], [3, 1, 2])
+    # top_k / top_p do not matter at temperature 0.
+    s = SamplingConfig(temperature=0.0, top_k=1, top_p=0.1)
+    assert verify(DraftTree.chain(draft), logits, s, None) == Verdict([0, 1], [3, 1, 2])
+
+
+# =============================================================================================
+# A Markov target and drafters for end-to-end decoding
+# =============================================================================================
+
+VOCAB = 8
+ROOT = 0
+
+
+def markov_pair(seed: int, vocab: int = VOCAB, sharp: float = 1.0, noise: float = 1.0):
+    """Target P [V, V] and a correlated but different draft Q [V, V] (rows are distributions)."""
+    g = make_generator(seed)
+    base = torch.randn(vocab, vocab, generator=g) * sharp
+    P = base.softmax(-1)
+    Q = (base + noise * torch.randn(vocab, vocab, generator=g)).softmax(-1)
+    return P, Q
+
+
+def markov_pair_with_zeros(seed: int, vocab: int = VOCAB):
+    """P has zeros (tokens a+1, a+2 after token a); Q puts a lot of mass exactly there and has its
+    own zeros (tokens a+3, a+4) where P has mass."""
+    P, Q = markov_pair(seed, vocab)
+    P, Q = P.clone(), Q.clone()
+    for a in range(vocab):
+        P[a, [(a + 1) % vocab, (a + 2) % vocab]] = 0.0
+        Q[a, [(a + 3) % vocab, (a + 4) % vocab]] = 0.0
+        Q[a, [(a + 1) % vocab, (a + 2) % vocab]] += 0.3
+    return P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+
+
+def sampled_chain(Q, depth):
+    """Chain whose tokens are sampled from the draft Q, with q rows given."""
+    def draft(last, g):
+        toks, qs = [], []
+        for _ in range(depth):
+            q = Q[last]
+            last = int(torch.multinomial(q, 1, generator=g))
+            toks.append(last)
+            qs.append(q)
+        return DraftTree.chain(toks, torch.stack(qs))
+    return draft
+
+
+def argmax_chain(Q, depth):
+    """Chain of the draft's argmax tokens, q None."""
+    def draft(last, g):
+        toks = []
+        for _ in range(depth):
+            last = int(Q[last].argmax())
+            toks.append(last)
+        return DraftTree.chain(toks)
+    return draft
+
+
+def fixed_chain(tokens):
+    """The same chain whatever the context, q None."""
+    def draft(last, g):
+        return DraftTree.chain(tokens)
+    return draft
+
+
+def fixed_tree(tokens, parents):
+    """The same tree whatever the context, q None."""
+    def draft(last, g):
+        return DraftTree(t(tokens), t(parents))
+    return draft
+
+
+def topk_tree(Q, k1, k2):
+    """Deterministic tree: the top-k1 draft tokens below the root, each with its top-k2 children, q None."""
+    def draft(last, g):
+        toks, parents = [], []
+        for a in Q[last].topk(k1).indices.tolist():
+            toks.append(a)
+            parents.append(-1)
+            me = len(toks) - 1
+            for b in Q[a].topk(k2).indices.tolist():
+                toks.append(b)
+                parents.append(me)
+        return DraftTree(t(toks), t(parents))
+    return draft
+
+
+def sampled_tree(Q, k1, k2):
+    """SpecInfer tree: k1 siblings sampled i.i.d. from Q[root], each with k2 children sampled i.i.d.
+    from Q[sibling]; q given per node. Duplicated siblings are allowed."""
+    def draft(last, g):
+        toks, parents, qs = [], [], []
+        for a in torch.multinomial(Q[last], k1, replacement=True, generator=g).tolist():
+            toks.append(a)
+            parents.append(-1)
+            qs.append(Q[last])
+            me = len(toks) - 1
+            for b in torch.multinomial(Q[a], k2, replacement=True, generator=g).tolist():
+                toks.append(b)
+                parents.append(me)
+                qs.append(Q[a])
+        return DraftTree(t(toks), t(parents), torch.stack(qs))
+    return draft
+
+
+def check_verdict(tree: DraftTree, v: Verdict):
+    """Structural invariants of any verdict."""
+    assert len(v.tokens) == len(v.path) + 1
+    prev = -1
+    for node in v.path:
+        assert int(tree.parents[node]) == prev
+        prev = node
+    assert v.tokens[:-1] == [int(tree.tokens[c]) for c in v.path]
+
+
+def target_rows(Pw: torch.Tensor, last: int, tree: DraftTree) -> torch.Tensor:
+    """[n+1, V] target distributions of one verify step: row 0 after `last`, row i+1 after node i."""
+    return Pw[torch.cat([t([last]), tree.tokens])]
+
+
+def decode_pairs(Pw, drafter, trials, seed, root=ROOT):
+    """Decode the first two tokens after `root` `trials` times against the (already warped) Markov
+    target Pw. Returns a [trials, 2] int array and the total number of accepted draft tokens.
+
+    Calls verify_stochastic on rows of Pw rather than verify() on logits: on the 2-core test machine
+    torch's softmax of a multi-row tensor with 2 threads costs ~8 ms (OpenMP), which would make 25k
+    trials take minutes. That verify() == verify_stochastic(warp(...)) is checked separately."""
+    g = make_generator(seed)
+    out = np.empty((trials, 2), dtype=np.int64)
+    accepted = 0
+    for i in range(trials):
+        got: list[int] = []
+        last = root
+        while len(got) < 2:
+            tree = drafter(last, g)
+            v = verify_stochastic(tree, target_rows(Pw, last, tree), g)
+            if i < 200:
+                check_verdict(tree, v)
+            accepted += v.num_accepted
+            got += v.tokens
+            last = got[-1]
+        out[i] = got[:2]
+    return out, accepted
+
+
+def tv(a: np.ndarray, b: np.ndarray) -> float:
+    return 0.5 * float(np.abs(a - b).sum())
+
+
+def gof_pvalue(counts: np.ndarray, expect: np.ndarray) -> float:
+    """Chi-square goodness of fit over the cells of positive probability (zero-probability cells are
+    checked separately); cells with expected count < 5 are pooled into one."""
+    pos = expect > 0
+    counts, e = counts[pos], expect[pos] * counts[pos].sum()
+    big = e >= 5
+    obs, exp = list(counts[big]), list(e[big])
+    if (~big).any():
+        obs.append(counts[~big].sum())
+        exp.append(e[~big].sum())
+    obs, exp = np.array(obs, dtype=float), np.array(exp, dtype=float)
+    exp *= obs.sum() / exp.sum()
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def assert_matches(name, counts, target, refs, max_tv, ratio=5.0, min_p=1e-4):
+    """vLLM-style check: the empirical law is close to the target and several times closer to it
+    than to any reference; it never hits a zero-probability outcome; and a chi-square test passes."""
+    counts = counts.reshape(-1).astype(float)
+    target = np.asarray(target, dtype=float).reshape(-1)
+    target = target / target.sum()
+    emp = counts / counts.sum()
+    d = tv(emp, target)
+    assert counts[target == 0].sum() == 0, f"{name}: emitted a token of target probability 0"
+    assert d < max_tv, f"{name}: TV to target {d:.4f} >= {max_tv}"
+    for rname, ref in refs.items():
+        ref = np.asarray(ref, dtype=float).reshape(-1)
+        ref = ref / ref.sum()
+        assert tv(target, ref) > 0.1, f"setup: reference {rname} too close to the target"
+        dr = tv(emp, ref)
+        assert d * ratio < dr, f"{name}: TV to target {d:.4f} not {ratio}x below TV to {rname} {dr:.4f}"
+    pv = gof_pvalue(counts, target)
+    assert pv > min_p, f"{name}: chi-square p-value {pv:.2e}"
+    return d
+
+
+def check_lossless(P, Q, drafter, trials, seed, s=T1, root=ROOT, min_accept_rate=0.2):
+    """Decode with `drafter`; the first token must follow Pw[root] and the first two tokens the
+    Markov joint Pw[root, a] * Pw[a, b], where Pw is the warped target."""
+    Pw_t = warp(P.log(), s)
+    pairs, accepted = decode_pairs(Pw_t, drafter, trials, seed, root)
+    Pw = Pw_t.double().numpy()
+    Qn = Q.double().numpy()
+    # The drafts must actually get accepted, otherwise this only tests the bonus/recovery sampling.
+    assert accepted / trials > min_accept_rate, f"drafts hardly accepted: {accepted / trials:.2f} per step"
+
+    first = np.bincount(pairs[:, 0], minlength=VOCAB)
+    p1 = Pw[root]
+    refs1 = {"q": Qn[root], "uniform": np.full(VOCAB, 1 / VOCAB), "shifted p": np.roll(p1, 1)}
+    d1 = assert_matches("first token", first, p1, refs1, max_tv=0.02)
+
+    joint = np.zeros((VOCAB, VOCAB))
+    np.add.at(joint, (pairs[:, 0], pairs[:, 1]), 1)
+    p2 = p1[:, None] * Pw
+    refs2 = {
+        "q joint": Qn[root][:, None] * Qn,
+        "uniform": np.full((VOCAB, VOCAB), 1 / VOCAB**2),
+        "row 0 reused for token 2": p1[:, None] * p1[None, :],
+        "shifted p": np.roll(p2, 1, axis=1),
+    }
+    d2 = assert_matches("first two tokens", joint, p2, refs2, max_tv=0.035)
+    return d1, d2
+
+
+# =============================================================================================
+# Losslessness
+# =============================================================================================
+
+TRIALS = 25_000
+
+
+def test_lossless_chain_sampled_draft():
+    """(a) Chain of depth 3 sampled from a different draft Q, q given."""
+    P, Q = markov_pair(11)
+    check_lossless(P, Q, sampled_chain(Q, 3), TRIALS, seed=100)
+
+
+def test_lossless_chain_argmax_draft():
+    """(b) Deterministic chain: the draft's argmax at each step, q None."""
+    P, Q = markov_pair(12)
+    check_lossless(P, Q, argmax_chain(Q, 3), TRIALS, seed=101)
+
+
+def test_lossless_chain_fixed_tokens():
+    """(b') A fixed chain regardless of context (q None); the second fixed token repeats the first."""
+    P, Q = markov_pair(13)
+    top = int(P[ROOT].argmax())
+    check_lossless(P, Q, fixed_chain([top, top, 2]), TRIALS, seed=102, min_accept_rate=0.1)
+
+
+def test_lossless_tree_topk_siblings():
+    """(c) Deterministic tree: top-3 distinct siblings at the root, each with its top-2 children, q None."""
+    P, Q = markov_pair(14)
+    check_lossless(P, Q, topk_tree(Q, 3, 2), TRIALS, seed=103)
+
+
+def test_lossless_tree_duplicate_deterministic_siblings():
+    """(c') q None with a repeated sibling: once x is rejected the residual gives it probability 0,
+    so the duplicate can never be accepted and the output law is unchanged."""
+    P, Q = markov_pair(16)
+    a, b = P[ROOT].topk(2).indices.tolist()
+    #        0:a 1:a 2:b 3:b(0) 4:a(1) 5:a(2)
+    draft = fixed_tree([a, a, b, b, a, a], [-1, -1, -1, 0, 1, 2])
+    check_lossless(P, Q, draft, TRIALS, seed=108)
+
+
+def test_lossless_tree_sampled_siblings_specinfer():
+    """(d) SpecInfer multi-round rule: 3 siblings sampled i.i.d. from q, each with 2 i.i.d. children,
+    q given per node (the module docstring claims the multi-round rule)."""
+    P, Q = markov_pair(15)
+    check_lossless(P, Q, sampled_tree(Q, 3, 2), TRIALS, seed=104)
+
+
+def test_lossless_sampled_chain_with_disjoint_support():
+    """(e) p has zeros that q puts mass on, q has zeros where p has mass; sampled chain with q given."""
+    P, Q = markov_pair_with_zeros(15)
+    assert (P == 0).any() and ((Q > 0) & (P == 0)).any() and ((Q == 0) & (P > 0)).any()
+    check_lossless(P, Q, sampled_chain(Q, 3), TRIALS, seed=105, min_accept_rate=0.1)
+
+
+def test_lossless_deterministic_tree_with_zero_probability_candidates():
+    """(e') Deterministic tree whose top-k candidates include tokens the target never emits."""
+    P, Q = markov_pair_with_zeros(16)
+    # Q's top-3 after every token includes at least one of P's zeros.
+    for a in range(VOCAB):
+        assert (P[a, Q[a].topk(3).indices] == 0).any()
+    check_lossless(P, Q, topk_tree(Q, 3, 2), TRIALS, seed=106, min_accept_rate=0.1)
+
+
+def test_lossless_against_warped_target():
+    """The target law is warp(logits, s): temperature, top-k and top-p included (deterministic tree)."""
+    P, Q = markov_pair(17, sharp=1.0)
+    s = SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)
+    Pw = warp(P.log(), s)
+    assert (Pw == 0).sum() >= VOCAB * 2  # the warp really removed tokens
+    check_lossless(P, Q, topk_tree(Q, 2, 2), TRIALS, seed=107, s=s)
+
+
+def test_lossless_check_has_power(monkeypatch):
+    """Sanity check of the check itself: a classic bug -- resampling from p instead of from the
+    residual after a rejection -- is caught."""
+    P, Q = markov_pair(11)
+    monkeypatch.setattr(V_, "residual", lambda p, x, q: p)
+    with pytest.raises(AssertionError, match="TV to target|chi-square") as err:
+        check_lossless(P, Q, sampled_chain(Q, 3), 15_000, seed=100)
+    assert "setup" not in str(err.value)
+
+
+def acceptance_rate(tree: DraftTree, p: torch.Tensor, n: int, seed: int, draw=None) -> float:
+    """Fraction of n verifications of a one-level tree that accept a draft token. `draw(g)` makes a
+    fresh tree per trial (sampled drafts); otherwise `tree` is reused."""
+    g = make_generator(seed)
+    rows = torch.cat([p[None], torch.full((8, p.shape[0]), 1 / p.shape[0])])
+    hits = 0
+    for _ in range(n):
+        tr = draw(g) if draw else tree
+        hits += verify_stochastic(tr, rows[: len(tr) + 1], g).num_accepted
+    return hits / n
+
+
+def test_acceptance_rate_is_optimal_for_sampled_draft():
+    """x ~ q with q given is accepted with probability sum_x min(p(x), q(x)) (the optimal rate, not the
+    one-hot rate sum_x q(x) p(x), which is also lossless but wastes drafts)."""
+    P, Q = markov_pair(11)
+    p, q = P[ROOT], Q[ROOT]
+    optimal = float(torch.minimum(p, q).sum())
+    one_hot = float((p * q).sum())
+    assert optimal - one_hot > 0.1
+    rate = acceptance_rate(None, p, 20_000, 0,
+                           draw=lambda g: DraftTree.chain([int(torch.multinomial(q, 1, generator=g))], q[None]))
+    assert rate == pytest.approx(optimal, abs=0.015)
+
+
+def test_acceptance_rate_of_deterministic_siblings():
+    """q None: one candidate x is accepted with probability p(x); distinct siblings with sum p(x_i)."""
+    P, _ = markov_pair(11)
+    p = P[ROOT]
+    order = p.argsort(descending=True).tolist()
+    x = order[1]
+    assert acceptance_rate(DraftTree.chain([x]), p, 10_000, 1) == pytest.approx(float(p[x]), abs=0.02)
+    sib = order[:3]
+    rate = acceptance_rate(DraftTree(t(sib), t([-1, -1, -1])), p, 10_000, 2)
+    assert rate == pytest.approx(float(p[sib].sum()), abs=0.02)
+
+
+def test_stochastic_empty_tree_samples_row_zero():
+    P, _ = markov_pair(18)
+    g = make_generator(5)
+    n = 20_000
+    counts = np.bincount([verify_stochastic(DraftTree.empty(), P[:1], g).tokens[0] for _ in range(n)],
+                         minlength=VOCAB)
+    assert_matches("empty tree", counts, P[0].double().numpy(), {"uniform": np.full(VOCAB, 1 / VOCAB)},
+                   max_tv=0.02)
+
+
+def test_stochastic_certain_acceptance_and_rejection():
+    """p(x) = 1 accepts x always (and the bonus comes from the next row); p(x) = 0 never accepts it."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    g = make_generator(0)
+    q = torch.full((2, 3), 1 / 3)
+    for tree in (DraftTree.chain([1, 2]), DraftTree.chain([1, 2], q)):
+        for _ in range(50):
+            assert verify_stochastic(tree, p, g) == Verdict([0, 1], [1, 2, 0])
+    for tree in (DraftTree.chain([0, 2]), DraftTree.chain([0, 2], q)):
+        for _ in range(50):
+            assert verify_stochastic(tree, p, g) == Verdict([], [1])
+
+
+def test_stochastic_tree_walks_into_accepted_childs_row():
+    """Row selection in trees: after accepting node c the next row is c + 1, not the sibling's."""
+    #         0:1  1:2  2:0(0) 3:0(1)
+    tree = DraftTree(t([1, 2, 0, 0]), t([-1, -1, 0, 1]))
+    p = torch.tensor([
+        [0.0, 0.0, 1.0],  # root: only token 2 -> node 0 rejected, node 1 accepted
+        [1.0, 0.0, 0.0],  # after node 0: would accept node 2
+        [0.0, 1.0, 0.0],  # after node 1: rejects node 3 (token 0), recovers token 1
+        [1.0, 0.0, 0.0],
+        [1.0, 0.0, 0.0],
+    ])
+    g = make_generator(0)
+    for _ in range(50):
+        assert verify_stochastic(tree, p, g) == Verdict([1], [2, 1])
+
+
+# =============================================================================================
+# Reproducibility
+# =============================================================================================
+
+def run_verdicts(seed: int, n: int = 300):
+    """Verdicts of n steps over mixed drafts (sampled trees, top-k trees, sampled chains), with the
+    draft sampling and verification sharing one seeded generator."""
+    P, Q = markov_pair(20)
+    g = make_generator(seed)
+    drafts = [sampled_tree(Q, 3, 2), topk_tree(Q, 3, 2), sampled_chain(Q, 4)]
+    out = []
+    for i in range(n):
+        tree = drafts[i % 3](i % VOCAB, g)
+        out.append(verify_stochastic(tree, target_rows(P, i % VOCAB, tree), g))
+    return out
+
+
+def test_same_seed_same_verdicts():
+    a, b = run_verdicts(1), run_verdicts(1)
+    assert a == b
+
+
+def test_different_seed_different_verdicts():
+    a, b = run_verdicts(1), run_verdicts(2)
+    assert a != b
+    assert sum(x != y for x, y in zip(a, b)) > 30
+
+
+def test_seeded_verify_independent_of_global_rng():
+    """A seeded generator fully determines the verdicts; torch's global RNG state does not matter."""
+    P, Q = markov_pair(21)
+    tree = sampled_chain(Q, 3)(0, make_generator(9))
+    rows = target_rows(P, 0, tree)
+
+    def run():
+        g = make_generator(3)
+        return [verify_stochastic(tree, rows, g) for _ in range(200)]
+
+    torch.manual_seed(0)
+    a = run()
+    torch.manual_seed(12345)
+    torch.rand(100)
+    assert run() == a
+    assert len(set(map(str, a))) > 1  # the verdicts really are random
+
+
+@pytest.mark.parametrize("s", [T1, SamplingConfig(temperature=0.7, top_k=5, top_p=0.8)])
+def test_verify_dispatches_to_stochastic_on_warped_logits(s):
+    """verify(logits) == verify_stochastic(warp(logits)) draw for draw, with the same seed."""
+    P, Q = markov_pair(23)
+    for i in range(10):
+        tree = sampled_tree(Q, 2, 2)(i % VOCAB, make_generator(i))
+        logits = target_rows(P, i % VOCAB, tree).log() * 1.7
+        g1, g2 = make_generator(i), make_generator(i)
+        for _ in range(3):
+            assert verify(tree, logits, s, g1) == verify_stochastic(tree, warp(logits, s), g2)
+
+
+def test_greedy_decoding_matches_target_only_greedy():
+    """Speculative greedy decoding reproduces target-only greedy decoding token for token."""
+    P, Q = markov_pair(22)
+    logP = P.log()
+    expect, last = [], ROOT
+    for _ in range(12):
+        last = next_token(logP[last], GREEDY, None)
+        expect.append(last)
+    for drafter in (argmax_chain(Q, 3), topk_tree(Q, 3, 2), fixed_chain([1, 2, 3]), argmax_chain(P, 4)):
+        got, last = [], ROOT
+        while len(got) < 12:
+            tree = drafter(last, None)
+            v = verify(tree, torch.cat([logP[last][None], logP[tree.tokens]]), GREEDY, None)
+            check_verdict(tree, v)
+            got += v.tokens
+            last = got[-1]
+        assert got[:12] == expect
