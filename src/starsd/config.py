@@ -43,10 +43,11 @@ class DraftConfig:
     best `total_tokens` nodes (always a valid tree: a child never outscores its parent).
     """
 
-    depth: int = _f(4, "draft depth d: tokens per chain, levels per tree")
+    depth: int = _f(10, "draft depth d: tokens per chain, levels per tree (at most)")
     top_k: int = _f(1, "children expanded per node; 1 drafts a chain")
     total_tokens: int = _f(0, "tree nodes kept after re-ranking (0: depth * top_k)")
     sample: bool = _f(False, "chains only: sample draft tokens from the draft distribution q instead of taking its argmax")
+    min_path_prob: float = _f(0.3, "stop deepening once the best frontier path's draft probability falls below this (0: draft the full depth)")
 
     def __post_init__(self):
         if self.depth < 1:
@@ -55,6 +56,8 @@ class DraftConfig:
             raise ValueError(f"top_k must be >= 1, not {self.top_k}")
         if self.total_tokens < 0:
             raise ValueError(f"total_tokens must be >= 0, not {self.total_tokens}")
+        if not 0 <= self.min_path_prob < 1:
+            raise ValueError(f"min_path_prob must be in [0, 1), not {self.min_path_prob}")
         if self.sample and self.top_k != 1:
             raise ValueError("sampled drafts are chains: use top_k = 1 with sample")
 

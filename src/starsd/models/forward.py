@@ -1,8 +1,8 @@
 """One forward pass of a transformers causal LM over arbitrary token positions, and KV-cache surgery.
 
-Both the target (scoring a tree) and the drafter (expanding a tree) feed tokens that attend to an
-arbitrary subset of the cached positions; this module is the only place that knows how transformers
-takes a custom 4D mask and how its DynamicCache stores keys and values.
+Both the target (scoring a tree) and the drafter (expanding trees for many sequences) feed tokens
+that attend to an arbitrary subset of the cached positions; this module is the only place that
+knows how transformers takes a custom 4D mask and how its DynamicCache stores keys and values.
 """
 
 from __future__ import annotations
@@ -21,31 +21,34 @@ def cache_len(cache: DynamicCache) -> int:
 
 @torch.inference_mode()
 def forward(model, cache: DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
-            attend: torch.Tensor, want_hidden: bool = False):
-    """Run `tokens` through `model`, appending their keys/values to `cache`.
+            attend: torch.Tensor) -> torch.Tensor:
+    """Run `tokens` through the model's decoder, appending their keys/values to `cache`.
 
     tokens:    [B, m] int64 (or [m]: a batch of one)
     positions: [B, m] int64 rotary positions
-    attend:    [B, m, past + m] bool, True where a new token may attend to a cached/new position
-    Returns (logits [B, m, V] float32, hidden [B, m, H] or None): hidden is the final-norm output
-    that the LM head reads, the feature a feature-level (EAGLE) drafter consumes.
+    attend:    [B, m, past + m] bool, True where a new token may attend to a cached/new column
+    Returns the final-norm hidden states [B, m, H] (or [m, H]): what the LM head reads, and the
+    feature a feature-level (EAGLE) drafter consumes. Apply `lm_head` only to the rows you need:
+    for a small draft model the head is a quarter of the work.
     """
     squeeze = tokens.ndim == 1
     if squeeze:
         tokens, positions, attend = tokens[None], positions[None], attend[None]
-    device = model.get_output_embeddings().weight.device
-    dtype = model.get_output_embeddings().weight.dtype
-    mask = torch.zeros(attend.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~attend.to(device), torch.finfo(dtype).min)
+    head = model.get_output_embeddings().weight
+    mask = torch.zeros(attend.shape, dtype=head.dtype, device=head.device)
+    mask.masked_fill_(~attend.to(head.device), torch.finfo(head.dtype).min)
     out = model.get_decoder()(
-        input_ids=tokens.to(device), position_ids=positions.to(device), attention_mask=mask[:, None],
+        input_ids=tokens.to(head.device), position_ids=positions.to(head.device), attention_mask=mask[:, None],
         cache=cache, use_cache=True,
     )
     hidden = out.last_hidden_state
-    logits = model.get_output_embeddings()(hidden).float()
-    if squeeze:
-        logits, hidden = logits[0], hidden[0]
-    return logits, (hidden if want_hidden else None)
+    return hidden[0] if squeeze else hidden
+
+
+@torch.inference_mode()
+def lm_head(model, hidden: torch.Tensor) -> torch.Tensor:
+    """[..., H] hidden states -> [..., V] float32 logits."""
+    return model.get_output_embeddings()(hidden).float()
 
 
 def truncate(cache: DynamicCache, length: int) -> None:
@@ -68,3 +71,28 @@ def keep_positions(cache: DynamicCache, start: int, kept: torch.Tensor) -> None:
             layer.keys[:, :, start:start + idx.shape[0]] = layer.keys[:, :, idx]
             layer.values[:, :, start:start + idx.shape[0]] = layer.values[:, :, idx]
     truncate(cache, start + kept.shape[0])
+
+
+@torch.inference_mode()
+def stack_caches(model, caches: list[DynamicCache], width: int) -> DynamicCache:
+    """A batch cache holding each (batch-of-one, non-empty) cache in its own row, right-padded to
+    `width` columns with zeros. Padding columns must be masked out by the caller."""
+    batch = new_cache(model)
+    for layer_idx in range(len(caches[0].layers)):
+        parts = [(c.layers[layer_idx].keys, c.layers[layer_idx].values) for c in caches]
+        k0 = parts[0][0]
+        keys = k0.new_zeros(len(caches), k0.shape[1], width, k0.shape[3])
+        values = keys.clone()
+        for row, (k, v) in enumerate(parts):
+            keys[row, :, : k.shape[2]] = k[0]
+            values[row, :, : v.shape[2]] = v[0]
+        batch.update(keys, values, layer_idx)
+    return batch
+
+
+@torch.inference_mode()
+def append_from(dst: DynamicCache, batch: DynamicCache, row: int, start: int, count: int) -> None:
+    """Append columns [start, start + count) of `batch`'s row `row` to the batch-of-one cache `dst`."""
+    for layer_idx, layer in enumerate(batch.layers):
+        dst.update(layer.keys[row:row + 1, :, start:start + count].clone(),
+                   layer.values[row:row + 1, :, start:start + count].clone(), layer_idx)

@@ -53,10 +53,10 @@ class TargetModel:
         tokens = torch.cat([torch.tensor([seq.tokens[-1]]), tree.tokens])
         positions = past + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])
         attend = torch.cat([torch.ones(n + 1, past, dtype=torch.bool), ancestor_mask(tree.parents)], dim=1)
-        logits, hidden = fw.forward(self.model, seq.cache, tokens, positions, attend, want_hidden)
+        hidden = fw.forward(self.model, seq.cache, tokens, positions, attend)
         seq.scored = n
-        seq.hidden = hidden
-        return logits
+        seq.hidden = hidden if want_hidden else None
+        return fw.lm_head(self.model, hidden)
 
     def commit(self, seq: TargetSequence, verdict: Verdict) -> None:
         """Keep the root and the accepted path in the cache; the last emitted token becomes pending."""

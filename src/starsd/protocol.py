@@ -1,0 +1,244 @@
+"""The wire protocol between target workers and the draft server.
+
+A message is a ZeroMQ multipart message: frame 0 is one byte of message type followed by a
+msgspec/msgpack header (a typed Struct, encoded as an array); every tensor travels as its own raw
+frame after it, described by a TensorSpec in the header (zero-copy on both sides: no pickle, no
+torch.save). `decode` validates everything before anything else sees it: the type byte, the
+header's types, frame counts, dtypes, shapes against frame sizes, and the size limits below. A
+message that fails validation raises ProtocolError, which the server turns into an Error reply.
+
+One draft iteration of a session:
+  target -> server  DraftRequest(tag, step, tokens = committed since the last request [, hidden])
+  server -> target  DraftReply(tag, step, tokens, parents [, q])
+The first request of a generation stream carries reset=True, the whole prompt and the settings.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+
+import msgspec
+import numpy as np
+import torch
+
+PROTOCOL_VERSION = 1
+
+# Bounds on what one message may carry: a peer cannot make the server allocate without limit.
+MAX_TOKENS_PER_REQUEST = 32768
+MAX_DRAFT_NODES = 256
+MAX_DRAFT_DEPTH = 64
+MAX_VOCAB = 1 << 20
+MAX_HIDDEN = 1 << 16
+
+# Received frames are read-only buffers; tensors view them without copying and are never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class ProtocolError(ValueError):
+    """A message that is malformed, oversized or out of place. `code` names the kind for counters."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    DRAFT_REQUEST = 3
+    DRAFT_REPLY = 4
+    BYE = 5
+    ERROR = 6
+    PING = 7
+    PONG = 8
+    STATS_REQUEST = 9
+    STATS = 10
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class DraftSettings(msgspec.Struct, array_like=True, frozen=True):
+    """A session's draft shape (config.DraftConfig) and, for sampled drafts, its sampling law."""
+
+    depth: int
+    top_k: int
+    total_tokens: int
+    min_path_prob: float
+    sample: bool
+    temperature: float
+    sampling_top_k: int
+    top_p: float
+    seed: int
+
+
+class Hello(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    fingerprint: str  # models.loading.vocab_fingerprint of the target's tokenizer and logits width
+    name: str  # for logs: which target this is
+
+
+class Welcome(msgspec.Struct, array_like=True, frozen=True):
+    tag: int  # the session tag: every later message of this session carries it
+    server: str
+    max_nodes: int
+
+
+class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
+    tag: int
+    step: int  # increases by one per request of the session; a reply echoes it
+    reset: bool  # a new generation stream: tokens is the whole prompt
+    settings: DraftSettings | None  # required with reset
+    budget: int  # tokens the target may still emit: no point drafting deeper than budget - 1
+    tensors: tuple[TensorSpec, ...]  # tokens int32 [m]; optionally hidden states [m, H]
+
+
+class DraftReply(msgspec.Struct, array_like=True, frozen=True):
+    tag: int
+    step: int
+    queue_ms: float  # time the request waited in Q_in
+    service_ms: float  # time the draft model spent on this request's batch
+    batch_size: int  # sessions drafted together in that batch
+    tensors: tuple[TensorSpec, ...]  # tokens int32 [n], parents int32 [n]; q float32 [n, V] if sampled
+
+
+class Bye(msgspec.Struct, array_like=True, frozen=True):
+    tag: int
+
+
+class Error(msgspec.Struct, array_like=True, frozen=True):
+    code: str
+    message: str
+    tag: int = 0
+    step: int = -1
+
+
+class Ping(msgspec.Struct, array_like=True, frozen=True):
+    tag: int
+    sent: float
+
+
+class Pong(msgspec.Struct, array_like=True, frozen=True):
+    tag: int
+    sent: float
+
+
+class StatsRequest(msgspec.Struct, array_like=True, frozen=True):
+    pass
+
+
+class Stats(msgspec.Struct, array_like=True, frozen=True):
+    json: str  # the server's counters, a JSON object (see draft_server.ServerStats)
+
+
+STRUCTS: dict[MsgType, type] = {
+    MsgType.HELLO: Hello, MsgType.WELCOME: Welcome, MsgType.DRAFT_REQUEST: DraftRequest,
+    MsgType.DRAFT_REPLY: DraftReply, MsgType.BYE: Bye, MsgType.ERROR: Error, MsgType.PING: Ping,
+    MsgType.PONG: Pong, MsgType.STATS_REQUEST: StatsRequest, MsgType.STATS: Stats,
+}
+TYPES = {cls: t for t, cls in STRUCTS.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in STRUCTS.items()}
+_DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def encode(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...] = ()) -> list:
+    """Message -> frames. The header's `tensors` field must describe `tensors` (see `specs`)."""
+    header = bytes([TYPES[type(msg)]]) + _ENCODER.encode(msg)
+    return [header, *(_buffer(t) for t in tensors)]
+
+
+def specs(*tensors: torch.Tensor) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(_NAMES[t.dtype], tuple(t.shape)) for t in tensors)
+
+
+def _buffer(t: torch.Tensor):
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
+    """Frames -> (message, tensors), validated. Raises ProtocolError."""
+    if not frames:
+        raise ProtocolError("empty", "empty message")
+    head = _bytes(frames[0])
+    if not head:
+        raise ProtocolError("empty", "empty header frame")
+    try:
+        kind = MsgType(head[0])
+    except ValueError:
+        raise ProtocolError("unknown_type", f"unknown message type {head[0]}") from None
+    try:
+        msg = _DECODERS[kind].decode(head[1:])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError("bad_header", f"malformed {kind.name} header: {e}") from None
+    tensor_specs = getattr(msg, "tensors", ())
+    if len(frames) - 1 != len(tensor_specs):
+        raise ProtocolError("bad_frames", f"{kind.name} announces {len(tensor_specs)} tensors, got {len(frames) - 1} frames")
+    tensors = tuple(_tensor(s, f) for s, f in zip(tensor_specs, frames[1:]))
+    validate(msg, tensors)
+    return msg, tensors
+
+
+def _bytes(frame) -> bytes | memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else frame  # zmq.Frame or bytes
+
+
+def _tensor(spec: TensorSpec, frame) -> torch.Tensor:
+    if spec.dtype not in _DTYPES:
+        raise ProtocolError("bad_tensor", f"unsupported dtype {spec.dtype!r}")
+    if len(spec.shape) > 2 or any(d < 0 for d in spec.shape):
+        raise ProtocolError("bad_tensor", f"bad shape {spec.shape}")
+    dtype = _DTYPES[spec.dtype]
+    buf = _bytes(frame)
+    count = int(np.prod(spec.shape, dtype=np.int64))
+    if count * dtype.itemsize != len(buf):
+        raise ProtocolError("bad_tensor", f"{spec.dtype}{list(spec.shape)} needs {count * dtype.itemsize} bytes, frame has {len(buf)}")
+    if count == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
+    return (raw.view(torch.bfloat16) if dtype == torch.bfloat16 else raw).view(spec.shape)
+
+
+def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
+    """Checks beyond types: sizes and the shape of each message's payload."""
+    if isinstance(msg, DraftRequest):
+        if not tensors or tensors[0].dtype != torch.int32 or tensors[0].ndim != 1:
+            raise ProtocolError("bad_request", "a draft request carries int32 tokens [m] first")
+        m = tensors[0].shape[0]
+        if not 0 < m <= MAX_TOKENS_PER_REQUEST:
+            raise ProtocolError("bad_request", f"a draft request carries 1..{MAX_TOKENS_PER_REQUEST} tokens, not {m}")
+        if len(tensors) > 2 or (len(tensors) == 2 and (tensors[1].ndim != 2 or tensors[1].shape[0] != m
+                                                       or tensors[1].shape[1] > MAX_HIDDEN)):
+            raise ProtocolError("bad_request", "optional hidden states must be [m, H] for the m tokens")
+        if msg.reset and msg.settings is None:
+            raise ProtocolError("bad_request", "a reset request must carry draft settings")
+        if msg.settings is not None:
+            validate_settings(msg.settings)
+        if msg.budget < 1:
+            raise ProtocolError("bad_request", f"budget must be >= 1, not {msg.budget}")
+    elif isinstance(msg, DraftReply):
+        if len(tensors) not in (2, 3) or tensors[0].shape != tensors[1].shape or tensors[0].ndim != 1:
+            raise ProtocolError("bad_reply", "a draft reply carries tokens [n] and parents [n] (and q [n, V])")
+
+
+def validate_settings(s: DraftSettings) -> None:
+    problems = []
+    if not 1 <= s.depth <= MAX_DRAFT_DEPTH:
+        problems.append(f"depth {s.depth} not in 1..{MAX_DRAFT_DEPTH}")
+    if not 1 <= s.top_k <= 16:
+        problems.append(f"top_k {s.top_k} not in 1..16")
+    if not 0 <= s.total_tokens <= MAX_DRAFT_NODES or s.depth * s.top_k > MAX_DRAFT_NODES * 4:
+        problems.append(f"tree too large (max {MAX_DRAFT_NODES} nodes)")
+    if s.sample and s.top_k != 1:
+        problems.append("sampled drafts are chains (top_k 1)")
+    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.sampling_top_k < 0 or not 0 <= s.min_path_prob < 1:
+        problems.append("sampling settings out of range")
+    if problems:
+        raise ProtocolError("bad_settings", "; ".join(problems))

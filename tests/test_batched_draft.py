@@ -1,0 +1,58 @@
+"""Drafting many sequences in one batch gives exactly the trees each would get alone (fp32)."""
+
+import random
+
+import pytest
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.models.drafter import DraftJob, Drafter
+from starsd.verify import make_generator
+
+GREEDY = SamplingConfig()
+
+
+def _trees_equal(a, b):
+    return torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+@pytest.mark.parametrize("cfgs", [
+    [DraftConfig(depth=4)] * 4,
+    [DraftConfig(depth=3, top_k=2, total_tokens=5), DraftConfig(depth=5), DraftConfig(depth=2, top_k=3),
+     DraftConfig(depth=6, top_k=2, min_path_prob=0.05)],
+], ids=["same-chains", "mixed-shapes"])
+def test_batch_equals_one_at_a_time(tiny_drafters, cfgs):
+    drafter: Drafter = tiny_drafters["good"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 128) for _ in range(n)] for n in (3, 40, 1, 12)]
+    solo = [drafter.start(p) for p in prompts]
+    batched = [drafter.start(p) for p in prompts]
+    pending = [[] for _ in prompts]
+    for step in range(6):
+        jobs = [DraftJob(s, list(new), c, GREEDY) for s, new, c in zip(batched, pending, cfgs)]
+        got = drafter.propose_batch(jobs)
+        for i, (seq, cfg) in enumerate(zip(solo, cfgs)):
+            want = drafter.propose(seq, list(pending[i]), cfg, GREEDY)
+            assert _trees_equal(got[i], want), (step, i)
+            assert batched[i].cached == seq.cached == len(seq.tokens)
+        # commit a varying number of tokens per sequence, as verification would
+        pending = [[rng.randrange(1, 128) for _ in range(rng.randrange(1, 6))] for _ in prompts]
+
+
+def test_batch_of_sampled_chains_is_seeded(tiny_drafters):
+    drafter = tiny_drafters["good"]
+    s = SamplingConfig(temperature=1.0, seed=3)
+    cfg = DraftConfig(depth=3, sample=True)
+
+    def run():
+        seqs = [drafter.start([5, 6, 7]), drafter.start([9] * 20)]
+        jobs = [DraftJob(q, [], cfg, s, make_generator(10 + i)) for i, q in enumerate(seqs)]
+        first = drafter.propose_batch(jobs)
+        jobs = [DraftJob(q, [1, 2], cfg, s, j.generator) for q, j in zip(seqs, jobs)]
+        return first + drafter.propose_batch(jobs)
+
+    a, b = run(), run()
+    assert all(torch.equal(x.tokens, y.tokens) and torch.equal(x.q, y.q) for x, y in zip(a, b))
+    solo = drafter.propose(drafter.start([5, 6, 7]), [], cfg, s, make_generator(10))
+    assert torch.equal(solo.tokens, a[0].tokens)
+    torch.testing.assert_close(solo.q, a[0].q)
