@@ -9,6 +9,7 @@ import sys
 
 from starsd import config as C
 from starsd import weights
+from starsd.draft_client import DraftServerError
 from starsd.models.loading import ModelLoadError
 
 
@@ -84,6 +85,53 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_draft_server(args) -> int:
+    import logging
+    import signal
+
+    import torch
+
+    from starsd.draft_server import DraftServer, ServerConfig
+    from starsd.models.drafter import Drafter
+    from starsd.models.loading import load_model, load_tokenizer, logits_width, vocab_fingerprint
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = from_args(C.ModelConfig, args, path=args.draft)
+    tokenizer = load_tokenizer(cfg.path, args.cache_dir)
+    model = load_model(cfg, args.cache_dir)
+    server = DraftServer(Drafter(model), vocab_fingerprint(tokenizer, logits_width(model)), logits_width(model),
+                         from_args(ServerConfig, args), name=f"starsd-draft:{cfg.path}")
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    thread = server.start()
+    print(json.dumps({"ready": args.bind}), flush=True)
+    while thread.is_alive():
+        thread.join(0.5)
+    return 0
+
+
+def cmd_target(args) -> int:
+    from starsd.prompts import Prompt, load
+    from starsd.target_worker import run
+
+    if args.prompt is not None:
+        prompts = [Prompt("cli", args.prompt, chat=args.chat)]
+    else:
+        prompts = load(args.prompts, args.limit or None)[args.offset::args.stride]
+    target_cfg = from_args(C.ModelConfig, args, path=args.target)
+    return run(args.connect, target_cfg, prompts, args.max_new_tokens, from_args(C.SamplingConfig, args),
+               from_args(C.DraftConfig, args, prefix="draft-"), args.name, args.json, args.no_spec,
+               args.cache_dir, args.threads, args.wait_go, args.timeout)
+
+
+def cmd_launch(args) -> int:
+    from starsd.launch import main as launch_main
+
+    return launch_main(args)
+
+
 def cmd_bench(args) -> int:
     from starsd.bench import colocated
 
@@ -111,6 +159,56 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(func=cmd_generate)
 
+    from starsd.draft_server import ServerConfig
+
+    p = sub.add_parser("draft-server", help="serve one draft model to many target workers (ZeroMQ ROUTER)")
+    p.add_argument("--draft", default=weights.DEFAULT_DRAFT, help="draft model (pinned name, directory or hub id)")
+    add_dataclass_args(p, C.ModelConfig, skip=("path",))
+    add_dataclass_args(p, ServerConfig)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.set_defaults(func=cmd_draft_server)
+
+    p = sub.add_parser("target", help="a target worker: verify locally, draft on a draft server")
+    p.add_argument("--connect", required=True, help="the draft server's address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--target", default=weights.DEFAULT_TARGET, help="target model (pinned name, directory or hub id)")
+    add_dataclass_args(p, C.ModelConfig, skip=("path",))
+    p.add_argument("--prompt", default=None, help="one prompt (instead of a prompt set)")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
+    p.add_argument("--limit", type=int, default=0, help="use the first LIMIT prompts of the set (0: all)")
+    p.add_argument("--offset", type=int, default=0, help="first prompt of the set to take")
+    p.add_argument("--stride", type=int, default=1, help="take every stride-th prompt (shares a set among targets)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--name", default="target")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
+    p.add_argument("--wait-go", action="store_true", help="after the handshake, wait for a line on stdin")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add_dataclass_args(p, C.SamplingConfig)
+    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
+    p.set_defaults(func=cmd_target)
+
+    p = sub.add_parser("launch", help="a local star: one draft server and N targets on this machine")
+    p.add_argument("--targets", type=int, default=2, help="number of target processes N")
+    p.add_argument("--target", default=weights.DEFAULT_TARGET)
+    p.add_argument("--draft", default=weights.DEFAULT_DRAFT)
+    p.add_argument("--draft-device", default="cpu")
+    p.add_argument("--target-device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--limit", type=int, default=4, help="prompts in all, shared round-robin among the targets")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--serial", action="store_true", help="the draft server drafts one request at a time")
+    p.add_argument("--port", type=int, default=0, help="draft server port (0: a free one)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--json-out", default=None, help="write the results as JSON here")
+    p.add_argument("target_extra", nargs=argparse.REMAINDER, help="after --: more flags for every target")
+    p.set_defaults(func=cmd_launch)
+
     p = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
     bench = p.add_subparsers(dest="bench", required=True)
     from starsd.bench import colocated
@@ -124,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, weights.WeightsError, ModelLoadError) as e:  # clear on their own: no traceback
+    except (ValueError, weights.WeightsError, ModelLoadError, DraftServerError) as e:  # clear: no traceback
         print(f"starsd: error: {e}", file=sys.stderr)
         return 2
 

@@ -76,10 +76,9 @@ def speculative(target: TargetModel, drafter: Drafter, prompt_ids: list[int], ma
     accepted: list[int] = []
     done = max_new_tokens <= 0
     while not done:
-        tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen)
-        budget = max_new_tokens - len(out)
-        if budget - 1 < draft_cfg.depth:  # at most budget tokens can come out: budget-1 drafted + 1
-            tree = tree.truncate(budget - 1)
+        budget = max_new_tokens - len(out)  # at most budget tokens come out: budget-1 drafted + 1
+        tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=budget - 1)
+        tree = tree.truncate(budget - 1)
         logits = target.score(seq, tree)
         verdict = verify(tree, logits, sampling, verify_gen)
         accepted.append(verdict.num_accepted)

@@ -115,14 +115,26 @@ class Drafter:
             raise ValueError("empty prompt: at least one token is needed to condition on")
         return DraftSequence(list(prompt_ids), fw.new_cache(self.model))
 
-    def propose(self, seq: DraftSequence, new_tokens: list[int], cfg: DraftConfig,
-                sampling: SamplingConfig, generator: torch.Generator | None = None) -> DraftTree:
-        """Append `new_tokens` to the committed sequence and draft a tree below its last token."""
-        return self.propose_batch([DraftJob(seq, new_tokens, cfg, sampling, generator)])[0]
+    def propose(self, seq: DraftSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
+                generator: torch.Generator | None = None, max_depth: int = 1 << 30) -> DraftTree:
+        """Append `new_tokens` to the committed sequence and draft a tree below its last token,
+        at most max_depth deep (the target's remaining budget less its bonus token)."""
+        return self.propose_batch([DraftJob(seq, new_tokens, cfg, sampling, generator, max_depth)])[0]
 
     @torch.inference_mode()
     def propose_batch(self, jobs: list[DraftJob]) -> list[DraftTree]:
         """Draft for several sequences at once: one forward pass per tree level for all of them."""
+        before = [(len(j.seq.tokens), j.seq.cached) for j in jobs]
+        try:
+            return self._propose_batch(jobs)
+        except BaseException:  # leave every sequence as it was, so the caller may retry or isolate
+            for job, (length, cached) in zip(jobs, before):
+                del job.seq.tokens[length:]
+                job.seq.cached = min(job.seq.cached, cached)
+                fw.truncate(job.seq.cache, job.seq.cached)
+            raise
+
+    def _propose_batch(self, jobs: list[DraftJob]) -> list[DraftTree]:
         for job in jobs:
             job.seq.tokens.extend(job.new_tokens)
             if not job.seq.tokens:
@@ -136,7 +148,7 @@ class Drafter:
         rest = [i for i in range(len(jobs)) if i not in roots]
         if rest:
             roots.update(zip(rest, batch.ingest(rest)))
-        expansions = [Expansion(j.cfg, j.sampling, j.generator, min(j.cfg.depth, j.max_depth)) for j in jobs]
+        expansions = [Expansion(j.cfg, j.sampling, j.generator, max(1, min(j.cfg.depth, j.max_depth))) for j in jobs]
         for i, e in enumerate(expansions):
             e.grow([-1], roots[i][None])
         while active := [i for i, e in enumerate(expansions) if e.wants_more()]:

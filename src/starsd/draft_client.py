@@ -1,0 +1,197 @@
+"""A target's side of the wire: the connection to a draft server, and a drafter that lives there.
+
+RemoteDrafter has the Drafter interface (start / propose), so the target runs the very same
+draft -> verify -> accept loop (generate.speculative) whether its drafter is local or remote.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from starsd import protocol as P
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.tree import DraftTree
+
+
+class DraftServerError(RuntimeError):
+    """The draft server refused a request (code says why) or did not answer in time."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"draft server: {message} [{code}]")
+        self.code = code
+
+
+class DraftClient:
+    """One DEALER connection with one session. Not thread-safe: one request in flight at a time."""
+
+    def __init__(self, address: str, fingerprint: str, name: str = "target", timeout_s: float = 60.0,
+                 heartbeat_s: float = 1.0):
+        self.address, self.fingerprint, self.name, self.timeout_s = address, fingerprint, name, timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._heartbeat: Heartbeat | None = None
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        self.sock.connect(address)
+        self.tag = 0
+        self.step = 0
+
+    def hello(self) -> P.Welcome:
+        self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
+        welcome, _ = self._receive(P.Welcome)
+        self.tag = welcome.tag
+        if self.heartbeat_s > 0:
+            if self._heartbeat:
+                self._heartbeat.stop()
+            self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s)
+            self._heartbeat.start()
+        return welcome
+
+    def draft(self, tokens: list[int], budget: int, settings: P.DraftSettings | None) -> tuple[P.DraftReply, tuple]:
+        """Send one draft request (a reset when settings are given) and wait for its reply."""
+        t = torch.tensor(tokens, dtype=torch.int32)
+        msg = P.DraftRequest(self.tag, self.step, settings is not None, settings, budget, P.specs(t))
+        self._send(msg, (t,))
+        step = self.step
+        self.step += 1
+        while True:
+            reply, tensors = self._receive(P.DraftReply)
+            if reply.step == step:
+                return reply, tensors
+
+    def stats(self) -> dict:
+        self._send(P.StatsRequest())
+        msg, _ = self._receive(P.Stats)
+        return json.loads(msg.json)
+
+    def close(self) -> None:
+        if self._heartbeat:
+            self._heartbeat.stop()
+        if self.tag:
+            try:
+                self._send(P.Bye(self.tag))
+            except zmq.ZMQError:
+                pass
+        self.sock.close(linger=100)
+
+    def _send(self, msg, tensors=()) -> None:
+        self.sock.send_multipart(P.encode(msg, tensors), copy=False)
+
+    def _receive(self, want: type):
+        if not self.sock.poll(int(self.timeout_s * 1000)):
+            raise DraftServerError("timeout", f"no answer from {self.address} within {self.timeout_s:.0f} s")
+        msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
+        if isinstance(msg, P.Error):
+            raise DraftServerError(msg.code, msg.message)
+        if not isinstance(msg, want):
+            raise DraftServerError("unexpected", f"expected {want.__name__}, got {type(msg).__name__}")
+        return msg, tensors
+
+
+class Heartbeat(threading.Thread):
+    """Pings the draft server on a socket of its own while the target computes, so the server can
+    tell a busy target from a dead one (ZeroMQ sockets are not shared between threads)."""
+
+    def __init__(self, address: str, tag: int, interval_s: float):
+        super().__init__(name="starsd-heartbeat", daemon=True)
+        self.address, self.tag, self.interval_s = address, tag, interval_s
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        try:
+            while not self._stop_event.wait(self.interval_s):
+                sock.send_multipart(P.encode(P.Ping(self.tag, time.time())))
+                while sock.poll(0):
+                    sock.recv_multipart()  # Pongs: only their arrival matters
+        finally:
+            sock.close(0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2)
+
+
+@dataclass
+class RemoteSequence:
+    tokens: list[int]  # committed tokens, as the target sees them
+    needs_reset: bool = True
+
+
+@dataclass
+class Timing:
+    """Per draft request, as the target saw it (ms). overhead = wall - queue - service: serialisation,
+    transport and the server's IO hop."""
+
+    wall: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    service: list[float] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        n = len(self.wall)
+        if not n:
+            return {}
+        overhead = [w - q - s for w, q, s in zip(self.wall, self.queue, self.service)]
+        return {"requests": n, "wall_ms": sum(self.wall) / n, "queue_ms": sum(self.queue) / n,
+                "service_ms": sum(self.service) / n, "overhead_ms": sum(overhead) / n,
+                "mean_batch": sum(self.batch) / n}
+
+
+class RemoteDrafter:
+    """The Drafter interface, served by a draft server."""
+
+    def __init__(self, client: DraftClient):
+        self.client = client
+        self.timing = Timing()
+
+    def start(self, prompt_ids: list[int]) -> RemoteSequence:
+        if not prompt_ids:
+            raise ValueError("empty prompt: at least one token is needed to condition on")
+        return RemoteSequence(list(prompt_ids))
+
+    def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
+                generator=None, max_depth: int = 1 << 30) -> DraftTree:
+        """`generator` is unused: a sampled draft draws from the server's per-session generator,
+        seeded as the co-located drafter's is, so seeded runs match."""
+        seq.tokens.extend(new_tokens)
+        budget = max(1, min(max_depth, 1 << 20) + 1)
+        t0 = time.perf_counter()
+        try:
+            reply, tensors = self._request(seq, new_tokens, cfg, sampling, budget)
+        except DraftServerError as e:
+            if e.code not in ("reset_required", "unknown_session"):
+                raise
+            if e.code == "unknown_session":  # the server dropped us (restart, timeout): new session
+                self.client.hello()
+            seq.needs_reset = True
+            reply, tensors = self._request(seq, new_tokens, cfg, sampling, budget)
+        wall = (time.perf_counter() - t0) * 1e3
+        self.timing.wall.append(wall)
+        self.timing.queue.append(reply.queue_ms)
+        self.timing.service.append(reply.service_ms)
+        self.timing.batch.append(reply.batch_size)
+        q = tensors[2].clone() if len(tensors) == 3 else None
+        return DraftTree(tensors[0].long(), tensors[1].long(), q)
+
+    def _request(self, seq: RemoteSequence, new_tokens, cfg, sampling, budget):
+        if seq.needs_reset:
+            reply = self.client.draft(seq.tokens, budget, settings_of(cfg, sampling))
+            seq.needs_reset = False
+            return reply
+        return self.client.draft(new_tokens, budget, None)
+
+
+def settings_of(cfg: DraftConfig, s: SamplingConfig) -> P.DraftSettings:
+    return P.DraftSettings(cfg.depth, cfg.top_k, cfg.total_tokens, cfg.min_path_prob, cfg.sample,
+                           s.temperature, s.top_k, s.top_p, s.seed)

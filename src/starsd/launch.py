@@ -1,0 +1,170 @@
+"""Start a local star: one draft server and N target workers as separate processes on this machine.
+
+The launcher feeds each target its share of the prompts, starts their decoding at the same moment,
+collects their JSON, prints per-target and system throughput, and shuts everything down, also on
+Ctrl-C or SIGTERM: children die with the launcher (PR_SET_PDEATHSIG), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from starsd.draft_client import DraftClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "starsd.cli", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+
+
+def read_json_line(proc: subprocess.Popen, key: str, timeout_s: float) -> dict:
+    """Wait for the child's first stdout JSON line holding `key` (e.g. its ready signal)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"process {proc.args[3:5]} exited with {proc.wait()} before it was ready")
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if key in obj:
+            return obj
+    raise RuntimeError(f"process {proc.args[3:5]} not ready within {timeout_s:.0f} s")
+
+
+@dataclass
+class Star:
+    """Handles to a running local star; `close()` stops every process."""
+
+    server: subprocess.Popen
+    address: str
+    targets: list[subprocess.Popen] = field(default_factory=list)
+
+    def close(self) -> None:
+        procs = [*self.targets, self.server]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def start_server(server_args: list[str], port: int = 0) -> Star:
+    address = f"tcp://127.0.0.1:{port or free_port()}"
+    server = spawn(["draft-server", "--bind", address, *server_args])
+    try:
+        read_json_line(server, "ready", 300)
+    except BaseException:
+        server.kill()
+        raise
+    return Star(server, address)
+
+
+def run_targets(star: Star, n: int, target_args: list[str], num_prompts: int) -> list[dict]:
+    """Start n targets on a round-robin share of the prompts, release them together, collect JSON."""
+    for i in range(n):
+        share = ["--offset", str(i), "--stride", str(n), "--limit", str(num_prompts)]
+        star.targets.append(spawn(["target", "--connect", star.address, "--name", f"target-{i}", "--json",
+                                   "--wait-go", *share, *target_args]))
+    for t in star.targets:
+        read_json_line(t, "ready", 300)
+    go = time.time()
+    for t in star.targets:
+        t.stdin.write("go\n")
+        t.stdin.flush()
+    results = []
+    for t in star.targets:
+        out, _ = t.communicate()
+        if t.returncode != 0:
+            raise RuntimeError(f"{t.args[3:5]} failed with exit code {t.returncode}")
+        results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for r in results:
+        r["go"] = go
+    return results
+
+
+def summarize(results: list[dict], n: int) -> dict:
+    go = min(r["go"] for r in results)
+    end = max(r["finished"] for r in results)
+    per_target = {}
+    for r in results:
+        t = per_target.setdefault(r["target"], {"tokens": 0, "seconds": 0.0, "accepted": [], "overhead_ms": []})
+        t["tokens"] += len(r["token_ids"])
+        t["seconds"] += r["seconds"]
+        t["accepted"].append(r["mean_accepted"])
+        if r["draft"]:
+            t["overhead_ms"].append(r["draft"]["overhead_ms"])
+    targets = {name: {"tokens": v["tokens"], "tokens_per_s": v["tokens"] / v["seconds"],
+                      "mean_accepted": sum(v["accepted"]) / len(v["accepted"])} for name, v in sorted(per_target.items())}
+    tokens = sum(v["tokens"] for v in per_target.values())
+    return {"targets": n, "prompts": len(results), "tokens": tokens, "wall_s": end - go,
+            "system_tokens_per_s": tokens / (end - go), "per_target": targets}
+
+
+def main(args) -> int:
+    common = ["--dtype", args.dtype, "--threads", str(args.threads)]
+    if args.cache_dir:
+        common += ["--cache-dir", args.cache_dir]
+    server_args = ["--draft", args.draft, "--device", args.draft_device, *common] + (["--serial"] if args.serial else [])
+    target_args = ["--target", args.target, "--device", args.target_device, "--prompts", args.prompts,
+                   "--max-new-tokens", str(args.max_new_tokens), *common, *args.target_extra]
+    star = None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        star = start_server(server_args, args.port)
+        print(f"draft server up at {star.address}; starting {args.targets} targets", file=sys.stderr)
+        results = run_targets(star, args.targets, target_args, args.limit)
+        summary = summarize(results, args.targets)
+        client = DraftClient(star.address, "", "launcher", timeout_s=10)
+        stats = client.stats()
+        client.close()
+        summary["draft_server"] = {k: stats[k] for k in ("utilization", "batch_sizes", "errors", "replies")}
+    except KeyboardInterrupt:
+        print("interrupted: stopping the star", file=sys.stderr)
+        return 130
+    finally:
+        if star is not None:
+            star.close()
+    for name, t in summary["per_target"].items():
+        print(f"{name}: {t['tokens']} tokens, {t['tokens_per_s']:.2f} tok/s, {t['mean_accepted']:.2f} accepted/step")
+    print(f"system: {summary['tokens']} tokens in {summary['wall_s']:.1f} s = {summary['system_tokens_per_s']:.2f} tok/s "
+          f"over {args.targets} targets; draft server utilisation {summary['draft_server']['utilization']:.0%}, "
+          f"batch sizes {summary['draft_server']['batch_sizes']}")
+    if args.json_out:
+        from starsd.bench.report import write_json
+
+        settings = {k: v for k, v in vars(args).items() if k != "func"}
+        write_json(args.json_out, {"launch": settings, **summary,
+                                   "results": results})
+    return 0

@@ -1,0 +1,182 @@
+"""The star over real sockets: a draft-server process and target-worker processes on loopback."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+import tiny
+from starsd import protocol as P
+from starsd.colocated import Pair
+from starsd.config import DraftConfig, ModelConfig, SamplingConfig
+from starsd.draft_client import DraftClient, DraftServerError
+from starsd.generate import speculative, target_only
+from starsd.launch import Star, read_json_line, run_targets, spawn, start_server
+from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.prompts import humaneval
+
+N = 4
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("star")
+    tok = tiny.char_tokenizer()
+    target = tiny.tiny_model(1)
+    other = tiny.char_tokenizer(alphabet="".join(chr(i) for i in range(126, 31, -1)) + "\n")
+    return {
+        "target": tiny.save(target, tok, root / "target"),
+        "draft": tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, root / "draft"),
+        "alien": tiny.save(tiny.tiny_model(3), other, root / "alien"),
+    }
+
+
+@pytest.fixture(scope="module")
+def star(dirs):
+    s = start_server(["--draft", dirs["draft"], "--dtype", "float32", "--threads", "1", "--session-timeout-s", "5"])
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def local(dirs):
+    """The same target and draft, co-located in this process: the reference outputs."""
+    return Pair.load(ModelConfig(dirs["target"], dtype="float32"), ModelConfig(dirs["draft"], dtype="float32"))
+
+
+def target_args(dirs, *extra):
+    return ["--target", dirs["target"], "--dtype", "float32", "--threads", "1", "--max-new-tokens", str(MAX_NEW),
+            "--draft-depth", "4", *extra]
+
+
+def stats(star) -> dict:
+    c = DraftClient(star.address, "", "test", timeout_s=10)
+    try:
+        return c.stats()
+    finally:
+        c.close()
+
+
+def test_four_targets_batched_and_lossless(star, dirs, local):
+    before = stats(star)["batch_sizes"]
+    results = run_targets(star, N, target_args(dirs), num_prompts=2 * N)
+    star.targets.clear()
+    assert len(results) == 2 * N and len({r["target"] for r in results}) == N
+    prompts = {p.id: p for p in humaneval()[: 2 * N]}
+    for r in results:
+        ids = prompts[r["prompt_id"]].encode(local.tokenizer)
+        ref = target_only(local.target, ids, MAX_NEW, SamplingConfig(), local.eos_ids)
+        assert r["token_ids"] == ref.token_ids, r["prompt_id"]
+        assert r["draft"]["requests"] == r["num_steps"]
+    after = stats(star)["batch_sizes"]
+    batched = {k: after[k] - before.get(k, 0) for k in after if int(k) > 1}
+    assert sum(batched.values()) > 0, f"no batch of more than one session: {after}"
+
+
+def test_network_sampling_is_seeded_and_matches_colocated(star, dirs, local):
+    prompt = humaneval()[3]
+    extra = ["--temperature", "0.8", "--top-p", "0.95", "--seed", "5", "--draft-sample", "--prompt", prompt.text]
+    runs = []
+    for _ in range(2):
+        p = spawn(["target", "--connect", star.address, "--json", *target_args(dirs, *extra)])
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        runs.append(json.loads(out.splitlines()[-1]))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    ids = prompt.encode(local.tokenizer)
+    s = SamplingConfig(temperature=0.8, top_p=0.95, seed=5)
+    ref = speculative(local.target, local.drafter, ids, MAX_NEW, DraftConfig(depth=4, sample=True), s, local.eos_ids)
+    assert runs[0]["token_ids"] == ref.token_ids
+
+
+def test_killed_target_is_reclaimed_and_others_finish(star, dirs, local):
+    long = ["--max-new-tokens", "400", "--draft-depth", "2", "--prompt", "def victim():"]
+    victim = spawn(["target", "--connect", star.address, "--json", *target_args(dirs)[:-4], *long])
+    freed = stats(star)["sessions_freed"]
+    deadline = time.monotonic() + 60
+    while stats(star)["sessions_open"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # mid-generation
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    results = run_targets(star, 2, target_args(dirs), num_prompts=2)
+    star.targets.clear()
+    prompts = {p.id: p for p in humaneval()[:2]}
+    for r in results:
+        ref = target_only(local.target, prompts[r["prompt_id"]].encode(local.tokenizer), MAX_NEW, SamplingConfig(),
+                          local.eos_ids)
+        assert r["token_ids"] == ref.token_ids
+    deadline = time.monotonic() + 10
+    while stats(star)["sessions_freed"] < freed + 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = stats(star)
+    assert after["sessions_freed"] >= freed + 3  # the victim's and the two finished targets'
+    assert after["sessions_open"] == 0
+
+
+def test_vocabulary_mismatch_is_refused_on_both_sides(star, dirs):
+    p = subprocess.run([*spawn_cmd(), "target", "--connect", star.address, "--target", dirs["alien"],
+                        "--dtype", "float32", "--prompt", "x", "--max-new-tokens", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "vocab_mismatch" in p.stderr and "shared tokenizer" in p.stderr
+    assert stats(star)["errors"].get("vocab_mismatch", 0) >= 1
+
+
+def spawn_cmd():
+    return [sys.executable, "-m", "starsd.cli"]
+
+
+def raw_socket(star):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(star.address)
+    return sock
+
+
+def ask(sock, frames):
+    sock.send_multipart(frames)
+    assert sock.poll(10000), "the draft server did not answer"
+    return P.decode(sock.recv_multipart())[0]
+
+
+def test_wrong_protocol_version_is_refused(star, local):
+    fp = vocab_fingerprint(local.tokenizer, logits_width(local.target.model))
+    sock = raw_socket(star)
+    reply = ask(sock, P.encode(P.Hello(P.PROTOCOL_VERSION + 1, fp, "old")))
+    assert isinstance(reply, P.Error) and reply.code == "version" and "not supported" in reply.message
+    sock.close()
+
+
+def test_malformed_messages_get_errors_and_harm_no_one(star, local):
+    fp = vocab_fingerprint(local.tokenizer, logits_width(local.target.model))
+    good = DraftClient(star.address, fp, "good", timeout_s=10)
+    good.hello()
+    settings = P.DraftSettings(3, 1, 0, 0.0, False, 0.0, 0, 1.0, 0)
+    first, _ = good.draft([5, 6, 7], 10, settings)
+    sock = raw_socket(star)
+    one = torch.tensor([1], dtype=torch.int32)
+    bad_token = P.encode(P.DraftRequest(good.tag, 0, True, settings, 10, P.specs(one)), (one,))
+    cases = {
+        "unknown_type": [b"\xff"],
+        "bad_header": [bytes([P.MsgType.DRAFT_REQUEST]) + b"\x93garbage"],
+        "bad_frames": [bad_token[0]],  # announces a tensor, sends none
+        "unknown_session": bad_token,  # another connection's tag
+        "bad_tensor": [bad_token[0], b"\x00\x01"],
+    }
+    for code, frames in cases.items():
+        reply = ask(sock, frames)
+        assert isinstance(reply, P.Error) and reply.code == code, (code, reply)
+    second, tensors = good.draft([8], 9, None)  # the good session is untouched
+    assert second.step == first.step + 1 and tensors[0].shape[0] >= 1
+    with pytest.raises(DraftServerError, match="bad_step"):
+        good.step = 7
+        good.draft([1], 5, None)
+    good.close()
+    sock.close()
+    assert all(stats(star)["errors"].get(c, 0) >= 1 for c in cases)
