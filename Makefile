@@ -20,7 +20,7 @@ models: $(STAMP)
 	$(VENV)/bin/starsd models fetch
 
 demo: models
-	$(VENV)/bin/starsd bench colocated --prompts humaneval --limit 4 --json-out results/demo.json
+	$(VENV)/bin/starsd launch --targets 2 --limit 4 --max-new-tokens 64 --json-out results/demo.json
 
 test: models
 	$(PY) -m pytest -q

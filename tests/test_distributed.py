@@ -180,3 +180,42 @@ def test_malformed_messages_get_errors_and_harm_no_one(star, local):
     good.close()
     sock.close()
     assert all(stats(star)["errors"].get(c, 0) >= 1 for c in cases)
+
+
+def descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        c, p = map(int, line.split())
+        children.setdefault(p, []).append(c)
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_launch_ctrl_c_leaves_no_orphans(dirs):
+    launcher = subprocess.Popen([*spawn_cmd(), "launch", "--targets", "2", "--target", dirs["target"], "--draft",
+                                 dirs["draft"], "--dtype", "float32", "--limit", "8", "--max-new-tokens", "2000"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(descendants(launcher.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    children = descendants(launcher.pid)
+    assert len(children) >= 3, "the launcher did not start a server and two targets"
+    time.sleep(3)
+    launcher.send_signal(signal.SIGINT)
+    launcher.wait(timeout=30)
+    time.sleep(0.5)
+    assert launcher.returncode == 130
+    assert not [c for c in children if alive(c)], "processes left behind"

@@ -10,19 +10,21 @@ from starsd.generate import speculative, target_only
 from starsd.verify import warp
 
 GREEDY = SamplingConfig()
+FULL = dict(min_path_prob=0.0)  # draft the whole depth, however unlikely the path
 DRAFTS = [
-    DraftConfig(depth=1),
-    DraftConfig(depth=4),
-    DraftConfig(depth=7),
-    DraftConfig(depth=3, top_k=2, total_tokens=6),
-    DraftConfig(depth=5, top_k=4, total_tokens=12),
-    DraftConfig(depth=4, top_k=3),  # keeps every candidate
+    DraftConfig(depth=1, **FULL),
+    DraftConfig(depth=4, **FULL),
+    DraftConfig(depth=7, **FULL),
+    DraftConfig(depth=10, min_path_prob=0.3),  # stops early
+    DraftConfig(depth=3, top_k=2, total_tokens=6, **FULL),
+    DraftConfig(depth=5, top_k=4, total_tokens=12, **FULL),
+    DraftConfig(depth=4, top_k=3, **FULL),  # keeps every candidate
 ]
 PROMPTS = [[5], [17, 3, 99], list(range(20, 60)), [7, 7, 7, 7, 7, 7]]
 
 
 @pytest.mark.parametrize("quality", ["perfect", "good", "random"])
-@pytest.mark.parametrize("draft", DRAFTS, ids=lambda d: f"d{d.depth}k{d.top_k}n{d.max_nodes}")
+@pytest.mark.parametrize("draft", DRAFTS, ids=lambda d: f"d{d.depth}k{d.top_k}n{d.max_nodes}p{d.min_path_prob}")
 def test_greedy_equals_target_only(tiny_target, tiny_drafters, quality, draft):
     for prompt in PROMPTS:
         ref = target_only(tiny_target, prompt, 40, GREEDY)
@@ -32,7 +34,7 @@ def test_greedy_equals_target_only(tiny_target, tiny_drafters, quality, draft):
 
 
 def test_perfect_chain_accepts_everything(tiny_target, tiny_drafters):
-    got = speculative(tiny_target, tiny_drafters["perfect"], [5, 6], 50, DraftConfig(depth=4), GREEDY)
+    got = speculative(tiny_target, tiny_drafters["perfect"], [5, 6], 50, DraftConfig(depth=4, **FULL), GREEDY)
     assert got.accepted[:-1] == [4] * (len(got.accepted) - 1)
     assert got.num_steps == 10  # 50 tokens, 5 per step
 
@@ -45,7 +47,7 @@ def test_random_draft_still_progresses(tiny_target, tiny_drafters):
 @pytest.mark.parametrize("max_new", [1, 2, 3, 5, 6, 9])
 def test_budget_ends_inside_a_draft(tiny_target, tiny_drafters, max_new):
     ref = target_only(tiny_target, [9, 8], max_new, GREEDY)
-    for draft in (DraftConfig(depth=4), DraftConfig(depth=8), DraftConfig(depth=4, top_k=3)):
+    for draft in (DraftConfig(depth=4, **FULL), DraftConfig(depth=8, **FULL), DraftConfig(depth=4, top_k=3, **FULL)):
         got = speculative(tiny_target, tiny_drafters["perfect"], [9, 8], max_new, draft, GREEDY)
         assert got.token_ids == ref.token_ids and len(got.token_ids) == max_new
 
@@ -63,7 +65,7 @@ def test_eos_inside_a_draft(tiny_target, tiny_drafters, position):
     eos = frozenset({full[position]})
     ref = target_only(tiny_target, [4, 2], 20, GREEDY, eos)
     assert ref.token_ids == full[: full.index(full[position]) + 1]
-    for draft in (DraftConfig(depth=5), DraftConfig(depth=4, top_k=2)):
+    for draft in (DraftConfig(depth=5, **FULL), DraftConfig(depth=4, top_k=2, **FULL)):
         got = speculative(tiny_target, tiny_drafters["perfect"], [4, 2], 20, draft, GREEDY, eos)
         assert got.token_ids == ref.token_ids
 

@@ -132,12 +132,6 @@ def cmd_launch(args) -> int:
     return launch_main(args)
 
 
-def cmd_bench(args) -> int:
-    from starsd.bench import colocated
-
-    return colocated.main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="starsd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,10 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
     bench = p.add_subparsers(dest="bench", required=True)
-    from starsd.bench import colocated
+    from starsd.bench import colocated, distributed
 
-    colocated.add_args(bench.add_parser("colocated", help="target-only vs speculative vs HF assisted, one process"))
-    p.set_defaults(func=cmd_bench)
+    for module, name, help_ in (
+        (colocated, "colocated", "target-only vs speculative vs HF assisted, one process"),
+        (distributed, "distributed", "one target: draft server over loopback vs co-located"),
+    ):
+        q = bench.add_parser(name, help=help_)
+        module.add_args(q)
+        q.set_defaults(func=module.main)
     return parser
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import queue
 import secrets
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,13 +79,21 @@ class ServerStats:
         self.batch_sizes: collections.Counter = collections.Counter()
         self.requests = self.replies = self.sessions_opened = self.sessions_freed = 0
         self.busy_s = 0.0
-        self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end, batch size)
+        self.hops, self.hop_s = 0, 0.0
+        self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
 
     def batch(self, start: float, end: float, size: int) -> None:
         with self.lock:
             self.batch_sizes[size] += 1
             self.busy_s += end - start
-            self.timeline.append((round(start - self.started, 6), round(end - self.started, 6), size))
+            wall = time.time() - time.perf_counter()  # perf_counter -> wall clock, comparable across processes
+            self.timeline.append((round(start + wall, 6), round(end + wall, 6), size))
+
+    def hop(self, seconds: float) -> None:
+        """A reply's trip from the compute loop through the IO thread onto the socket."""
+        with self.lock:
+            self.hops += 1
+            self.hop_s += seconds
 
     def error(self, code: str) -> None:
         with self.lock:
@@ -99,6 +108,7 @@ class ServerStats:
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "sessions_open": sessions, "sessions_opened": self.sessions_opened,
                 "sessions_freed": self.sessions_freed, "timeline": list(self.timeline),
+                "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0,
             }
 
 
@@ -137,8 +147,10 @@ class DraftServer:
         try:
             while not self.stopping.is_set():
                 for sock, _ in poller.poll(100):
-                    if sock is outbox:
-                        router.send_multipart(outbox.recv_multipart(copy=False), copy=False)
+                    if sock is outbox:  # [queued-at timestamp, peer, message frames...]
+                        stamp, *frames = outbox.recv_multipart(copy=False)
+                        router.send_multipart(frames, copy=False)
+                        self.stats.hop(time.perf_counter() - struct.unpack("d", stamp.buffer)[0])
                     else:
                         self._on_frames(router, router.recv_multipart(copy=False))
         finally:
@@ -219,7 +231,8 @@ class DraftServer:
         self.stopping.set()
 
     def _send(self, peer: bytes, msg, tensors=()) -> None:
-        self._outbox.send_multipart([peer, *P.encode(msg, tensors)], copy=False)
+        stamp = struct.pack("d", time.perf_counter())
+        self._outbox.send_multipart([stamp, peer, *P.encode(msg, tensors)], copy=False)
 
     def _fail(self, peer: bytes, code: str, message: str, tag: int = 0, step: int = -1) -> None:
         self.stats.error(code)

@@ -128,13 +128,20 @@ def summarize(results: list[dict], n: int) -> dict:
             "system_tokens_per_s": tokens / (end - go), "per_target": targets}
 
 
+def busy_fraction(timeline: list, start: float, end: float) -> float:
+    """Share of [start, end] (unix s) during which the draft server was drafting."""
+    busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b, _ in timeline)
+    return busy / (end - start) if end > start else 0.0
+
+
 def main(args) -> int:
     common = ["--dtype", args.dtype, "--threads", str(args.threads)]
     if args.cache_dir:
         common += ["--cache-dir", args.cache_dir]
     server_args = ["--draft", args.draft, "--device", args.draft_device, *common] + (["--serial"] if args.serial else [])
+    extra = [a for a in args.target_extra if a != "--"]
     target_args = ["--target", args.target, "--device", args.target_device, "--prompts", args.prompts,
-                   "--max-new-tokens", str(args.max_new_tokens), *common, *args.target_extra]
+                   "--max-new-tokens", str(args.max_new_tokens), *common, *extra]
     star = None
 
     def on_term(signum, frame):
@@ -149,7 +156,9 @@ def main(args) -> int:
         client = DraftClient(star.address, "", "launcher", timeout_s=10)
         stats = client.stats()
         client.close()
-        summary["draft_server"] = {k: stats[k] for k in ("utilization", "batch_sizes", "errors", "replies")}
+        summary["draft_server"] = {k: stats[k] for k in ("batch_sizes", "errors", "replies")}
+        summary["draft_server"]["utilization"] = busy_fraction(stats["timeline"], results[0]["go"],
+                                                               results[0]["go"] + summary["wall_s"])
     except KeyboardInterrupt:
         print("interrupted: stopping the star", file=sys.stderr)
         return 130
@@ -162,8 +171,12 @@ def main(args) -> int:
           f"over {args.targets} targets; draft server utilisation {summary['draft_server']['utilization']:.0%}, "
           f"batch sizes {summary['draft_server']['batch_sizes']}")
     if args.json_out:
-        from starsd.bench.report import write_json
+        from starsd.bench.report import bar_plot, write_json
 
+        names = list(summary["per_target"])
+        bar_plot(str(args.json_out).rsplit(".", 1)[0] + ".png", [*names, "system"],
+                 [*(summary["per_target"][n]["tokens_per_s"] for n in names), summary["system_tokens_per_s"]],
+                 ylabel="tokens / s", title=f"Local star: 1 draft server, {args.targets} targets ({args.dtype})")
         settings = {k: v for k, v in vars(args).items() if k != "func"}
         write_json(args.json_out, {"launch": settings, **summary,
                                    "results": results})

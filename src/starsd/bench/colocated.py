@@ -50,6 +50,11 @@ def hf_assisted(pair: Pair, ids: list[int], max_new_tokens: int, num_assistant_t
 def run(pair: Pair, prompts, max_new_tokens: int, draft: C.DraftConfig, with_hf: bool) -> dict:
     greedy = C.SamplingConfig()
     modes = [m for m in MODES if with_hf or m != "hf_assisted"]
+    warm = prompts[0].encode(pair.tokenizer)  # first passes allocate and pick kernels: not measured
+    pair.generate(prompts[0], 16, greedy, None)
+    pair.generate(prompts[0], 16, greedy, draft)
+    if with_hf:
+        hf_assisted(pair, warm, 16, draft.depth)
     rows = []
     for i, prompt in enumerate(prompts):
         ids = prompt.encode(pair.tokenizer)

@@ -1,0 +1,156 @@
+"""Distributed vs co-located: one target drafting through a draft-server process over loopback,
+against the same target drafting with an in-process draft model, side by side in one run.
+
+The target model is one instance in this process; per prompt the order of the two modes rotates.
+The protocol overhead of an iteration is what the target waits beyond the server's own queue and
+service time: serialisation on both sides, the transport and the server's IO-thread hop. The
+serialisation share is measured separately by encoding and decoding the same messages in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from starsd import config as C
+from starsd import protocol as P
+from starsd.bench.report import bar_plot, write_json
+from starsd.colocated import Pair
+from starsd.draft_client import DraftClient, RemoteDrafter
+from starsd.generate import speculative
+from starsd.launch import start_server
+from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.prompts import load as load_prompts
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from starsd.cli import add_dataclass_args, add_model_args
+
+    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--json-out", default="results/distributed.json")
+    p.add_argument("--plot-out", default=None)
+    add_model_args(p)
+    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
+    p.set_defaults(dtype="bfloat16", threads=2)
+
+
+def serialisation_ms(depth: int, new_tokens: int) -> float:
+    """Encode + decode of one request and one chain reply of this size, both directions (ms)."""
+    tok = torch.arange(new_tokens, dtype=torch.int32)
+    tree = (torch.arange(depth, dtype=torch.int32), torch.arange(depth, dtype=torch.int32) - 1)
+    req = P.DraftRequest(1, 1, False, None, 100, P.specs(tok))
+    rep = P.DraftReply(1, 1, 0.0, 0.0, 1, P.specs(*tree))
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        P.decode([bytes(f) for f in P.encode(req, (tok,))])
+        P.decode([bytes(f) for f in P.encode(rep, tree)])
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def zmq_echo_ms(rounds: int = 2000) -> float:
+    """Round trip of a small two-frame message over loopback, DEALER <-> ROUTER echo: the floor."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+
+    def echo():
+        for _ in range(rounds + 1):
+            router.send_multipart(router.recv_multipart())
+
+    t = threading.Thread(target=echo)
+    t.start()
+    payload = [b"h" * 40, b"t" * 40]
+    dealer.send_multipart(payload)
+    dealer.recv_multipart()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        dealer.send_multipart(payload)
+        dealer.recv_multipart()
+    elapsed = time.perf_counter() - t0
+    t.join()
+    router.close(0)
+    dealer.close(0)
+    return elapsed / rounds * 1e3
+
+
+def main(args) -> int:
+    from starsd.cli import from_args, model_configs
+
+    target_cfg, draft_cfg = model_configs(args)
+    draft = from_args(C.DraftConfig, args, prefix="draft-")
+    greedy = C.SamplingConfig()
+    server_args = ["--draft", args.draft, "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    if args.cache_dir:
+        server_args += ["--cache-dir", args.cache_dir]
+    star = start_server(server_args)
+    try:
+        pair = Pair.load(target_cfg, draft_cfg, args.cache_dir, args.threads)
+        client = DraftClient(star.address, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)), "bench")
+        client.hello()
+        remote = RemoteDrafter(client)
+        rows = []
+        prompts = load_prompts(args.prompts, args.limit)
+        warm = prompts[0].encode(pair.tokenizer)  # first passes allocate and pick kernels: not measured
+        for drafter in (pair.drafter, remote):
+            speculative(pair.target, drafter, warm, 16, draft, greedy, pair.eos_ids)
+        remote.timing = type(remote.timing)()
+        for i, prompt in enumerate(prompts):
+            ids = prompt.encode(pair.tokenizer)
+            row = {"id": prompt.id}
+            for mode in (["colocated", "distributed"] if i % 2 == 0 else ["distributed", "colocated"]):
+                drafter = remote if mode == "distributed" else pair.drafter
+                gen = speculative(pair.target, drafter, ids, args.max_new_tokens, draft, greedy, pair.eos_ids)
+                row[mode] = {"tokens": len(gen.token_ids), "seconds": gen.seconds, "steps": gen.num_steps,
+                             "token_ids": gen.token_ids}
+            rows.append(row)
+            print(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(
+                f"{m} {row[m]['tokens'] / row[m]['seconds']:.2f} tok/s" for m in ("colocated", "distributed")), flush=True)
+        server_stats = client.stats()
+        client.close()
+    finally:
+        star.close()
+    rate = {m: sum(r[m]["tokens"] for r in rows) / sum(r[m]["seconds"] for r in rows) for m in ("colocated", "distributed")}
+    t = remote.timing
+    overhead = [w - q - s for w, q, s in zip(t.wall, t.queue, t.service)]
+    steps = sum(r["distributed"]["steps"] for r in rows)
+    mean_new = sum(r["distributed"]["tokens"] for r in rows) / steps
+    ser = serialisation_ms(draft.depth, round(mean_new))
+    result = {
+        "benchmark": "distributed", "target": args.target, "draft": args.draft, "dtype": args.dtype,
+        "threads": args.threads, "num_prompts": len(rows), "max_new_tokens": args.max_new_tokens,
+        "draft_config": {"depth": draft.depth, "top_k": draft.top_k, "min_path_prob": draft.min_path_prob},
+        "colocated_tokens_per_s": rate["colocated"], "distributed_tokens_per_s": rate["distributed"],
+        "throughput_ratio": rate["distributed"] / rate["colocated"],
+        "overhead_ms_per_iteration": statistics.mean(overhead),
+        "overhead_ms_p50": statistics.median(overhead),
+        "overhead_ms_p99": sorted(overhead)[int(0.99 * (len(overhead) - 1))],
+        "serialisation_ms_per_iteration": ser,
+        "transport_ms_per_iteration": statistics.mean(overhead) - ser,
+        "server_reply_hop_ms": server_stats["reply_hop_ms"],
+        "zmq_loopback_echo_ms": zmq_echo_ms(),
+        "draft_service_ms_per_iteration": statistics.mean(t.service),
+        "draft_wall_ms_per_iteration": statistics.mean(t.wall),
+        "iterations": len(t.wall),
+        "outputs_identical": sum(r["colocated"]["token_ids"] == r["distributed"]["token_ids"] for r in rows),
+        "prompts": rows,
+    }
+    write_json(args.json_out, result)
+    bar_plot(args.plot_out or str(args.json_out).rsplit(".", 1)[0] + ".png",
+             ["co-located spec", "distributed spec (loopback)"], [rate["colocated"], rate["distributed"]],
+             ylabel="tokens / s", title=f"One target: co-located vs draft server over loopback ({args.dtype})")
+    keys = ("colocated_tokens_per_s", "distributed_tokens_per_s", "throughput_ratio", "overhead_ms_per_iteration",
+            "serialisation_ms_per_iteration", "transport_ms_per_iteration", "server_reply_hop_ms",
+            "zmq_loopback_echo_ms", "outputs_identical")
+    print({k: round(result[k], 4) for k in keys})
+    return 0

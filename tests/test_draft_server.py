@@ -1,0 +1,94 @@
+"""The draft server's rules, with the server running in this process (real ZeroMQ sockets)."""
+
+import threading
+import time
+
+import pytest
+
+from starsd import protocol as P
+from starsd.draft_client import DraftClient, DraftServerError
+from starsd.draft_server import DraftServer, ServerConfig
+from starsd.launch import free_port
+
+FP = "f" * 64
+CHAIN = P.DraftSettings(3, 1, 0, 0.0, False, 0.0, 0, 1.0, 0)
+
+
+@pytest.fixture
+def make_server(tiny_drafters):
+    servers = []
+
+    def make(**cfg):
+        address = f"tcp://127.0.0.1:{free_port()}"
+        server = DraftServer(tiny_drafters["good"], FP, 128, ServerConfig(bind=address, **cfg))
+        server.start()
+        servers.append(server)
+        return server, address
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def client(address, fp=FP):
+    c = DraftClient(address, fp, "t", timeout_s=10, heartbeat_s=0)
+    c.hello()
+    return c
+
+
+def test_sessions_are_bounded(make_server):
+    server, address = make_server(max_sessions=2)
+    a, b = client(address), client(address)
+    with pytest.raises(DraftServerError, match="too_many_sessions"):
+        client(address)
+    a.close()
+    deadline = time.monotonic() + 5
+    while len(server.sessions) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    c = client(address)  # room again once a session ends
+    c.close()
+    b.close()
+
+
+def test_silent_session_times_out(make_server):
+    server, address = make_server(session_timeout_s=0.5)
+    a = client(address)
+    a.draft([1, 2, 3], 5, CHAIN)
+    time.sleep(2.0)
+    assert a.tag not in server.sessions
+    with pytest.raises(DraftServerError, match="unknown_session"):
+        a.draft([4], 5, None)
+
+
+def test_request_before_reset_and_bad_tokens_are_refused(make_server):
+    server, address = make_server()
+    a = client(address)
+    with pytest.raises(DraftServerError, match="reset_required"):
+        a.draft([1], 5, None)
+    with pytest.raises(DraftServerError, match="bad_tokens"):
+        a.draft([1, 500], 5, CHAIN)
+    reply, tensors = a.draft([1, 2], 5, CHAIN)
+    assert tensors[0].shape[0] == 3 and reply.batch_size == 1
+
+
+def test_serial_mode_never_batches(make_server):
+    server, address = make_server(serial=True)
+    clients = [client(address) for _ in range(4)]
+    errors = []
+
+    def work(c, seed):
+        try:
+            c.draft([seed, seed + 1], 50, CHAIN)
+            for t in range(10):
+                c.draft([(seed + t) % 100 + 1], 50, None)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(c, 10 * i + 1)) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    snap = server.stats.snapshot(len(server.sessions))
+    assert snap["batch_sizes"] == {"1": 44}

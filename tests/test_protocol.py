@@ -1,0 +1,74 @@
+"""The wire format alone: round trips and validation, no sockets."""
+
+import msgspec
+import pytest
+import torch
+
+from starsd import protocol as P
+
+SETTINGS = P.DraftSettings(4, 1, 0, 0.3, False, 0.0, 0, 1.0, 0)
+
+
+def roundtrip(msg, tensors=()):
+    return P.decode([bytes(f) for f in P.encode(msg, tensors)])
+
+
+def test_request_and_reply_round_trip_with_raw_tensors():
+    tokens = torch.tensor([1, 2, 3], dtype=torch.int32)
+    hidden = torch.randn(3, 8, dtype=torch.bfloat16)
+    msg, (t, h) = roundtrip(P.DraftRequest(5, 0, True, SETTINGS, 9, P.specs(tokens, hidden)), (tokens, hidden))
+    assert msg.settings == SETTINGS and torch.equal(t, tokens) and torch.equal(h, hidden)
+    q = torch.rand(2, 11)
+    tree = (torch.tensor([7, 8], dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32), q)
+    reply, (tok, par, q2) = roundtrip(P.DraftReply(5, 0, 0.1, 2.0, 3, P.specs(*tree)), tree)
+    assert reply.batch_size == 3 and torch.equal(par, tree[1]) and torch.equal(q2, q)
+
+
+def test_every_message_type_round_trips():
+    for msg in (P.Hello(1, "ab", "t"), P.Welcome(3, "s", 64), P.Bye(3), P.Error("x", "y", 1, 2), P.Ping(1, 2.0),
+                P.Pong(1, 2.0), P.StatsRequest(), P.Stats("{}")):
+        assert roundtrip(msg)[0] == msg
+
+
+def bad(frames, code):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frames)
+    assert e.value.code == code, e.value
+
+
+def test_malformed_frames_are_rejected_with_a_code():
+    tokens = torch.tensor([1, 2], dtype=torch.int32)
+    req = P.encode(P.DraftRequest(1, 0, False, None, 5, P.specs(tokens)), (tokens,))
+    bad([], "empty")
+    bad([b""], "empty")
+    bad([b"\x63" + req[0][1:]], "unknown_type")
+    bad([req[0][:5]], "bad_header")
+    bad([bytes([P.MsgType.HELLO]) + msgspec.msgpack.encode([1, 2, 3])], "bad_header")  # wrong field types
+    bad([req[0]], "bad_frames")
+    bad([req[0], b"123"], "bad_tensor")
+    bad([req[0], bytes(req[1]), b"extra"], "bad_frames")
+
+
+def test_payload_rules_are_enforced():
+    def request(tokens, **kw):
+        fields = dict(tag=1, step=0, reset=False, settings=None, budget=5) | kw
+        return [bytes(f) for f in P.encode(P.DraftRequest(**fields, tensors=P.specs(tokens)), (tokens,))]
+
+    bad(request(torch.zeros(0, dtype=torch.int32)), "bad_request")
+    bad(request(torch.zeros(2, dtype=torch.float32)), "bad_request")
+    bad(request(torch.zeros(2, dtype=torch.int32), reset=True), "bad_request")  # reset without settings
+    bad(request(torch.zeros(2, dtype=torch.int32), budget=0), "bad_request")
+    too_big = torch.zeros(P.MAX_TOKENS_PER_REQUEST + 1, dtype=torch.int32)
+    bad(request(too_big), "bad_request")
+    for wrong in (dict(depth=0), dict(depth=P.MAX_DRAFT_DEPTH + 1), dict(top_k=0), dict(sample=True, top_k=2),
+                  dict(top_p=0.0), dict(temperature=-1.0), dict(min_path_prob=1.0)):
+        s = msgspec.structs.replace(SETTINGS, **wrong)
+        bad(request(torch.zeros(2, dtype=torch.int32), reset=True, settings=s), "bad_settings")
+
+
+def test_shape_must_match_frame_size():
+    t = torch.zeros(4, dtype=torch.int32)
+    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int32", (5,)),)))[0]
+    bad([head, bytes(memoryview(t.numpy()))], "bad_tensor")
+    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int64", (4,)),)))[0]
+    bad([head, b"\x00" * 32], "bad_tensor")

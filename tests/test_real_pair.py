@@ -1,0 +1,29 @@
+"""The bundled real pair (fetched by `make test`): fp32 greedy speculative equals target-only."""
+
+import pytest
+
+from starsd import weights
+from starsd.colocated import Pair
+from starsd.config import DraftConfig, SamplingConfig, draft_config, target_config
+from starsd.prompts import Prompt
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def pair():
+    if not (weights.is_cached(weights.DEFAULT_TARGET) and weights.is_cached(weights.DEFAULT_DRAFT)):
+        pytest.skip("the real pair is not cached: run `starsd models fetch` (make test does)")
+    return Pair.load(target_config(dtype="float32"), draft_config(dtype="float32"), threads=2)
+
+
+@pytest.mark.parametrize("prompt", [
+    Prompt("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", chat=False),
+    Prompt("chat", "Write a Python function that checks whether a string is a palindrome.", chat=True),
+], ids=lambda p: p.id)
+def test_real_pair_greedy_is_lossless(pair, prompt):
+    ref = pair.generate(prompt, 40, SamplingConfig(), None)
+    for draft in (DraftConfig(depth=5, min_path_prob=0.0), DraftConfig(depth=4, top_k=2, total_tokens=6)):
+        got = pair.generate(prompt, 40, SamplingConfig(), draft)
+        assert got.token_ids == ref.token_ids
+        assert got.mean_accepted > 0.5  # the real draft does help
