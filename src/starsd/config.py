@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from starsd.weights import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
-def _f(default, help: str, **kw):
+def setting(default, help: str, **kw):
+    """A dataclass field with its documentation (the CLI flag's help)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -17,9 +18,9 @@ def _f(default, help: str, **kw):
 class ModelConfig:
     """Where a model comes from and how it runs."""
 
-    path: str = _f("", "pinned name (see `starsd models list`), a local HF model directory, or a hub id")
-    device: str = _f("cpu", "torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = _f("bfloat16", "float32 (bit-exact tests) or bfloat16 (fast)", choices=("float32", "bfloat16", "float16"))
+    path: str = setting("", "pinned name (see `starsd models list`), a local HF model directory, or a hub id")
+    device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    dtype: str = setting("bfloat16", "float32 (bit-exact tests) or bfloat16 (fast)", choices=("float32", "bfloat16", "float16"))
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -43,11 +44,11 @@ class DraftConfig:
     best `total_tokens` nodes (always a valid tree: a child never outscores its parent).
     """
 
-    depth: int = _f(10, "draft depth d: tokens per chain, levels per tree (at most)")
-    top_k: int = _f(1, "children expanded per node; 1 drafts a chain")
-    total_tokens: int = _f(0, "tree nodes kept after re-ranking (0: depth * top_k)")
-    sample: bool = _f(False, "chains only: sample draft tokens from the draft distribution q instead of taking its argmax")
-    min_path_prob: float = _f(0.3, "stop deepening once the best frontier path's draft probability falls below this (0: draft the full depth)")
+    depth: int = setting(10, "draft depth d: tokens per chain, levels per tree (at most)")
+    top_k: int = setting(1, "children expanded per node; 1 drafts a chain")
+    total_tokens: int = setting(0, "tree nodes kept after re-ranking (0: depth * top_k)")
+    sample: bool = setting(False, "chains only: sample draft tokens from the draft distribution q instead of taking its argmax")
+    min_path_prob: float = setting(0.3, "stop deepening once the best frontier path's draft probability falls below this (0: draft the full depth)")
 
     def __post_init__(self):
         if self.depth < 1:
@@ -74,10 +75,10 @@ class DraftConfig:
 class SamplingConfig:
     """How the target samples. Speculative decoding reproduces exactly this distribution."""
 
-    temperature: float = _f(0.0, "0 is greedy (argmax); > 0 samples")
-    top_k: int = _f(0, "keep only the k most likely tokens (0: off)")
-    top_p: float = _f(1.0, "keep the smallest set of tokens whose probability reaches top_p (1: off)")
-    seed: int = _f(0, "seed of this request's random generator; a seeded run is reproducible")
+    temperature: float = setting(0.0, "0 is greedy (argmax); > 0 samples")
+    top_k: int = setting(0, "keep only the k most likely tokens (0: off)")
+    top_p: float = setting(1.0, "keep the smallest set of tokens whose probability reaches top_p (1: off)")
+    seed: int = setting(0, "seed of this request's random generator; a seeded run is reproducible")
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -165,7 +165,7 @@ class RemoteDrafter:
         """`generator` is unused: a sampled draft draws from the server's per-session generator,
         seeded as the co-located drafter's is, so seeded runs match."""
         seq.tokens.extend(new_tokens)
-        budget = max(1, min(max_depth, 1 << 20) + 1)
+        budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
         try:
             reply, tensors = self._request(seq, new_tokens, cfg, sampling, budget)

@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from starsd import protocol as P
-from starsd.config import DraftConfig, SamplingConfig, _f
+from starsd.config import DraftConfig, SamplingConfig, setting
 from starsd.models.drafter import DraftJob, Drafter, DraftSequence
 from starsd.verify import make_generator
 
@@ -40,12 +40,12 @@ log = logging.getLogger("starsd.draft_server")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    bind: str = _f("tcp://127.0.0.1:5555", "ZeroMQ address to bind the ROUTER socket to")
-    max_sessions: int = _f(64, "sessions held at once; a hello beyond it is refused")
-    session_timeout_s: float = _f(120.0, "free a session whose target has been silent this long")
-    serial: bool = _f(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
-    max_batch: int = _f(32, "sessions drafted together in one batch at most")
-    queue_limit: int = _f(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
+    bind: str = setting("tcp://127.0.0.1:5555", "ZeroMQ address to bind the ROUTER socket to")
+    max_sessions: int = setting(64, "sessions held at once; a hello beyond it is refused")
+    session_timeout_s: float = setting(120.0, "free a session whose target has been silent this long")
+    serial: bool = setting(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
+    max_batch: int = setting(32, "sessions drafted together in one batch at most")
+    queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
 
 
 @dataclass

@@ -21,6 +21,7 @@ import warnings
 import msgspec
 import numpy as np
 import torch
+import zmq
 
 PROTOCOL_VERSION = 1
 
@@ -178,7 +179,7 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
         msg = _DECODERS[kind].decode(head[1:])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError("bad_header", f"malformed {kind.name} header: {e}") from None
-    tensor_specs = getattr(msg, "tensors", ())
+    tensor_specs = msg.tensors if isinstance(msg, (DraftRequest, DraftReply)) else ()
     if len(frames) - 1 != len(tensor_specs):
         raise ProtocolError("bad_frames", f"{kind.name} announces {len(tensor_specs)} tensors, got {len(frames) - 1} frames")
     tensors = tuple(_tensor(s, f) for s, f in zip(tensor_specs, frames[1:]))
@@ -187,7 +188,7 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
 
 
 def _bytes(frame) -> bytes | memoryview:
-    return frame.buffer if hasattr(frame, "buffer") else frame  # zmq.Frame or bytes
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
 
 
 def _tensor(spec: TensorSpec, frame) -> torch.Tensor:
