@@ -236,6 +236,7 @@ class DraftServer:
 
     def _fail(self, peer: bytes, code: str, message: str, tag: int = 0, step: int = -1) -> None:
         self.stats.error(code)
+        log.warning("refused a request of session %x: %s [%s]", tag, message, code)
         self._send(peer, P.Error(code, message, tag, step))
 
     def _handle(self, pending: list[Request]) -> None:
