@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from starsd import protocol as P
 from starsd.draft_client import DraftClient, DraftServerError
@@ -92,3 +93,19 @@ def test_serial_mode_never_batches(make_server):
     assert not errors
     snap = server.stats.snapshot(len(server.sessions))
     assert snap["batch_sizes"] == {"1": 44}
+
+
+def test_two_requests_of_one_session_in_flight_are_served_in_order(make_server):
+    """A second request queued behind the first is deferred to the next batch, not drafted twice
+    in one batch (which corrupted the session's cache)."""
+    server, address = make_server()
+    ref, eager = client(address), client(address)
+    steps = [[5, 6, 7], [8], [9, 10]]
+    want = [ref.draft(steps[0], 50, CHAIN)[1][0].tolist()] + [ref.draft(t, 50, None)[1][0].tolist() for t in steps[1:]]
+    eager.draft(steps[0], 50, CHAIN)
+    for t in steps[1:]:  # both sent before either reply is read
+        tok = torch.tensor(t, dtype=torch.int32)
+        eager._send(P.DraftRequest(eager.tag, eager.step, False, None, 50, P.specs(tok)), (tok,))
+        eager.step += 1
+    got = [eager._receive(P.DraftReply)[1][0].tolist() for _ in steps[1:]]
+    assert got == want[1:]

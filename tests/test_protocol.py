@@ -72,3 +72,17 @@ def test_shape_must_match_frame_size():
     bad([head, bytes(memoryview(t.numpy()))], "bad_tensor")
     head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int64", (4,)),)))[0]
     bad([head, b"\x00" * 32], "bad_tensor")
+
+
+def test_hostile_values_are_refused_not_crashed_on():
+    """Shapes whose element count overflows int64, non-finite floats and out-of-range seeds."""
+    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int32", (1 << 62, 4)),)))[0]
+    bad([head, b""], "bad_tensor")
+    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int32", (1 << 62, 0)),)))[0]
+    bad([head, b""], "bad_tensor")
+    tokens = torch.zeros(2, dtype=torch.int32)
+    for wrong in (dict(temperature=float("nan")), dict(top_p=float("inf")), dict(min_path_prob=float("nan")),
+                  dict(seed=(1 << 64) - 1), dict(seed=-1)):
+        s = msgspec.structs.replace(SETTINGS, **wrong)
+        frames = [bytes(f) for f in P.encode(P.DraftRequest(1, 0, True, s, 5, P.specs(tokens)), (tokens,))]
+        bad(frames, "bad_settings")

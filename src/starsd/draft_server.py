@@ -46,6 +46,7 @@ class ServerConfig:
     serial: bool = setting(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
     max_batch: int = setting(32, "sessions drafted together in one batch at most")
     queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
+    max_context: int = setting(32768, "tokens one session may hold (prompt + generated); beyond it drafts are refused")
 
 
 @dataclass
@@ -124,6 +125,9 @@ class DraftServer:
         self.stopping = threading.Event()
         self.ready = threading.Event()
         self.failure: str | None = None
+        self.last_ping: dict[int, float] = {}  # written by the IO thread, read by the reaper
+        self._stats_json, self._stats_at = "{}", -1.0
+        self._deferred: list[Request] = []  # a session's later requests wait for its earlier one
         self._outbox_addr = f"inproc://outbox-{id(self)}"
         self._io_thread = threading.Thread(target=self._io_loop, name="starsd-io", daemon=True)
 
@@ -132,6 +136,7 @@ class DraftServer:
         try:
             router = self.ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # larger frames drop the connection
             router.bind(self.cfg.bind)
             outbox = self.ctx.socket(zmq.PULL)
             outbox.bind(self._outbox_addr)
@@ -152,7 +157,13 @@ class DraftServer:
                         router.send_multipart(frames, copy=False)
                         self.stats.hop(time.perf_counter() - struct.unpack("d", stamp.buffer)[0])
                     else:
-                        self._on_frames(router, router.recv_multipart(copy=False))
+                        frames = router.recv_multipart(copy=False)
+                        try:
+                            self._on_frames(router, frames)
+                        except Exception as e:  # whatever a message does, the IO thread lives on
+                            log.exception("unexpected failure on a message")
+                            self.stats.error("internal")
+                            router.send_multipart([frames[0], *P.encode(P.Error("internal", str(e)[:200]))])
         finally:
             router.close(0)
             outbox.close(0)
@@ -168,12 +179,14 @@ class DraftServer:
             return
         if isinstance(msg, P.Ping):
             router.send_multipart([peer, *P.encode(P.Pong(msg.tag, msg.sent))])
-            if msg.tag:  # liveness, passed on: session state belongs to the compute loop
-                self.q_in.put(Request(peer, msg, (), time.perf_counter()))
+            if msg.tag in self.sessions:  # liveness (read by the reaper); the tag is the proof
+                self.last_ping[msg.tag] = time.monotonic()
             return
-        if isinstance(msg, P.StatsRequest):
-            snap = self.stats.snapshot(len(self.sessions))
-            router.send_multipart([peer, *P.encode(P.Stats(json.dumps(snap)))])
+        if isinstance(msg, P.StatsRequest):  # served from a copy at most 0.2 s old: floods stay cheap
+            now = time.monotonic()
+            if now - self._stats_at > 0.2:
+                self._stats_json, self._stats_at = json.dumps(self.stats.snapshot(len(self.sessions))), now
+            router.send_multipart([peer, *P.encode(P.Stats(self._stats_json))])
             return
         if isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):
             if self.q_in.qsize() >= self.cfg.queue_limit:
@@ -201,10 +214,10 @@ class DraftServer:
         try:
             while not self.stopping.is_set():
                 try:
-                    first = self.q_in.get(timeout=0.2)
+                    first = self.q_in.get(timeout=0 if self._deferred else 0.2)
                 except queue.Empty:
                     first = None
-                pending = [first] if first else []
+                pending, self._deferred = self._deferred + ([first] if first else []), []
                 while True:
                     try:
                         pending.append(self.q_in.get_nowait())
@@ -215,6 +228,7 @@ class DraftServer:
                     self._reap()
                     last_reap = time.monotonic()
         finally:
+            self.stopping.set()
             self._outbox.close(0)
             self._io_thread.join(timeout=2)
             self.ctx.term()
@@ -241,23 +255,21 @@ class DraftServer:
 
     def _handle(self, pending: list[Request]) -> None:
         drafts: list[tuple[Session, Request]] = []
+        in_round: set[int] = set()
         for req in pending:
             msg = req.msg
-            if isinstance(msg, P.Hello):
-                self._on_hello(req)
-            elif isinstance(msg, P.Bye):
-                s = self._session(req, msg.tag)
-                if s:
-                    self._free(s, "bye")
-            elif isinstance(msg, P.Ping):  # from the target's heartbeat socket: the tag is the proof
-                s = self.sessions.get(msg.tag)
-                if s:
-                    s.last_seen = time.monotonic()
-            else:
-                self.stats.requests += 1
-                s = self._admit(req)
-                if s:
-                    drafts.append((s, req))
+            if isinstance(msg, P.DraftRequest) and msg.tag in in_round:
+                self._deferred.append(req)  # one request per session per batch, in order
+                continue
+            try:
+                s = self._take(req)
+            except Exception as e:  # a request that breaks its handling costs only itself
+                log.exception("request failed")
+                self._fail(req.peer, "internal", str(e)[:200], getattr(msg, "tag", 0), getattr(msg, "step", -1))
+                continue
+            if s is not None:
+                in_round.add(s.tag)
+                drafts.append((s, req))
         if not drafts:
             return
         if self.cfg.serial:
@@ -266,6 +278,20 @@ class DraftServer:
         else:
             for i in range(0, len(drafts), self.cfg.max_batch):
                 self._draft(drafts[i:i + self.cfg.max_batch])
+
+    def _take(self, req: Request) -> Session | None:
+        """Handle one message; return its session when it is a draft request to serve."""
+        msg = req.msg
+        if isinstance(msg, P.Hello):
+            self._on_hello(req)
+        elif isinstance(msg, P.Bye):
+            s = self._session(req, msg.tag)
+            if s:
+                self._free(s, "bye")
+        else:
+            self.stats.requests += 1
+            return self._admit(req)
+        return None
 
     def _on_hello(self, req: Request) -> None:
         msg: P.Hello = req.msg
@@ -321,6 +347,11 @@ class DraftServer:
             self._fail(req.peer, "reset_required", "this session has no draft state: send a reset request",
                        s.tag, msg.step)
             return None
+        if len(s.seq.tokens) + (0 if msg.reset else tokens.shape[0]) > self.cfg.max_context:
+            s.seq = None
+            self._fail(req.peer, "context_full", f"the session would exceed {self.cfg.max_context} tokens",
+                       s.tag, msg.step)
+            return None
         if msg.step != s.next_step:
             self._fail(req.peer, "bad_step", f"expected step {s.next_step}, got {msg.step}", s.tag, msg.step)
             return None
@@ -331,11 +362,15 @@ class DraftServer:
         start = time.perf_counter()
         jobs = [DraftJob(s.seq, [] if r.msg.reset else r.tensors[0].tolist(), s.cfg, s.sampling, s.generator,
                          max_depth=r.msg.budget - 1) for s, r in items]
+        states = [None if s.generator is None else s.generator.get_state() for s, _ in items]
         try:
             trees = self.drafter.propose_batch(jobs)
         except Exception:  # never let one batch take the server down; isolate the culprit
             log.exception("batch of %d failed; retrying one by one", len(items))
             if len(items) > 1:
+                for (s, _), state in zip(items, states):
+                    if state is not None:  # the failed pass may have drawn from them
+                        s.generator.set_state(state)
                 for item in items:
                     self._draft([item])
                 return
@@ -356,6 +391,7 @@ class DraftServer:
 
     def _free(self, s: Session, why: str) -> None:
         self.sessions.pop(s.tag, None)
+        self.last_ping.pop(s.tag, None)
         if self.by_peer.get(s.peer) == s.tag:
             del self.by_peer[s.peer]
         self.stats.sessions_freed += 1
@@ -363,5 +399,6 @@ class DraftServer:
 
     def _reap(self) -> None:
         now = time.monotonic()
-        for s in [s for s in self.sessions.values() if now - s.last_seen > self.cfg.session_timeout_s]:
-            self._free(s, "timed out")
+        for s in list(self.sessions.values()):
+            if now - max(s.last_seen, self.last_ping.get(s.tag, 0.0)) > self.cfg.session_timeout_s:
+                self._free(s, "timed out")

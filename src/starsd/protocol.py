@@ -16,10 +16,10 @@ The first request of a generation stream carries reset=True, the whole prompt an
 from __future__ import annotations
 
 import enum
+import math
 import warnings
 
 import msgspec
-import numpy as np
 import torch
 import zmq
 
@@ -31,6 +31,9 @@ MAX_DRAFT_NODES = 256
 MAX_DRAFT_DEPTH = 64
 MAX_VOCAB = 1 << 20
 MAX_HIDDEN = 1 << 16
+MAX_DIM = 1 << 24  # any one tensor dimension
+MAX_FRAME_BYTES = 64 << 20  # any one frame; the server's socket refuses larger messages outright
+MAX_SEED = (1 << 63) - 2
 
 # Received frames are read-only buffers; tensors view them without copying and are never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -194,11 +197,11 @@ def _bytes(frame) -> bytes | memoryview:
 def _tensor(spec: TensorSpec, frame) -> torch.Tensor:
     if spec.dtype not in _DTYPES:
         raise ProtocolError("bad_tensor", f"unsupported dtype {spec.dtype!r}")
-    if len(spec.shape) > 2 or any(d < 0 for d in spec.shape):
+    if len(spec.shape) > 2 or any(not 0 <= d <= MAX_DIM for d in spec.shape):
         raise ProtocolError("bad_tensor", f"bad shape {spec.shape}")
     dtype = _DTYPES[spec.dtype]
     buf = _bytes(frame)
-    count = int(np.prod(spec.shape, dtype=np.int64))
+    count = math.prod(spec.shape)  # Python ints: no overflow
     if count * dtype.itemsize != len(buf):
         raise ProtocolError("bad_tensor", f"{spec.dtype}{list(spec.shape)} needs {count * dtype.itemsize} bytes, frame has {len(buf)}")
     if count == 0:
@@ -239,7 +242,11 @@ def validate_settings(s: DraftSettings) -> None:
         problems.append(f"tree too large (max {MAX_DRAFT_NODES} nodes)")
     if s.sample and s.top_k != 1:
         problems.append("sampled drafts are chains (top_k 1)")
-    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.sampling_top_k < 0 or not 0 <= s.min_path_prob < 1:
+    floats = (s.temperature, s.top_p, s.min_path_prob)
+    if not all(math.isfinite(x) for x in floats) or s.temperature < 0 or not 0 < s.top_p <= 1 \
+            or s.sampling_top_k < 0 or not 0 <= s.min_path_prob < 1:
         problems.append("sampling settings out of range")
+    if not 0 <= s.seed <= MAX_SEED:
+        problems.append(f"seed must lie in [0, {MAX_SEED}]")
     if problems:
         raise ProtocolError("bad_settings", "; ".join(problems))

@@ -52,10 +52,12 @@ def lm_head(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def truncate(cache: DynamicCache, length: int) -> None:
-    """Drop every cached position from `length` on."""
-    extra = cache_len(cache) - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Drop every cached position from `length` on, in every layer on its own (after a failure
+    part-way through a pass, layers can differ in length)."""
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
 
 
 @torch.inference_mode()
