@@ -39,7 +39,8 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def star(dirs):
-    s = start_server(["--draft", dirs["draft"], "--dtype", "float32", "--threads", "1", "--session-timeout-s", "5"])
+    s = start_server(["--draft", dirs["draft"], "--dtype", "float32", "--threads", "1", "--session-timeout-s", "5",
+                      "--draft-quantize", "none"])  # the same draft as the in-process reference below
     yield s
     s.close()
 

@@ -5,6 +5,8 @@ import collections
 import pytest
 import torch
 
+import tiny
+
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.generate import speculative, target_only
 from starsd.verify import warp
@@ -141,3 +143,15 @@ def test_hidden_states_come_with_scores(tiny_target):
     assert seq.hidden.shape == (3, tiny_target.model.config.hidden_size)
     with torch.inference_mode():
         torch.testing.assert_close(tiny_target.model.lm_head(seq.hidden).float(), logits)
+
+
+def test_int8_quantised_draft_is_lossless(tiny_target):
+    """A dynamically quantised draft proposes different tokens, never different output."""
+    from starsd.models.drafter import Drafter
+
+    quantised = Drafter(torch.ao.quantization.quantize_dynamic(tiny.perturbed(tiny_target.model, 7, 0.1),
+                                                               {torch.nn.Linear}, dtype=torch.qint8))
+    for prompt in PROMPTS:
+        ref = target_only(tiny_target, prompt, 30, GREEDY)
+        for draft in (DraftConfig(depth=4, **FULL), DraftConfig(depth=3, top_k=2, **FULL)):
+            assert speculative(tiny_target, quantised, prompt, 30, draft, GREEDY).token_ids == ref.token_ids

@@ -35,16 +35,29 @@ def from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
     return cls(**values, **overrides)
 
 
+QUANTIZE_HELP = ("draft weights: int8 (dynamic int8 linear layers, ~3x faster draft passes on a CPU; lossless, "
+                 "the target verifies every draft), none, or auto: int8 on a CPU, none elsewhere")
+
+
+def draft_quantize(choice: str, device: str) -> str:
+    if choice == "auto":
+        return "int8" if device.startswith("cpu") else "none"
+    return choice
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=weights.DEFAULT_TARGET, help="target model (pinned name, directory or hub id)")
     p.add_argument("--draft", default=weights.DEFAULT_DRAFT, help="draft model (pinned name, directory or hub id)")
-    add_dataclass_args(p, C.ModelConfig, skip=("path",))
+    add_dataclass_args(p, C.ModelConfig, skip=("path", "quantize"))
+    p.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "int8"), help=QUANTIZE_HELP)
     p.add_argument("--cache-dir", default=None, help=f"model cache (default: ${weights.CACHE_ENV} or ~/.cache/starsd)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
 def model_configs(args) -> tuple[C.ModelConfig, C.ModelConfig]:
-    return (from_args(C.ModelConfig, args, path=args.target), from_args(C.ModelConfig, args, path=args.draft))
+    """The target is always the model as given; only the draft may be quantised."""
+    return (from_args(C.ModelConfig, args, path=args.target, quantize="none"),
+            from_args(C.ModelConfig, args, path=args.draft, quantize=draft_quantize(args.draft_quantize, args.device)))
 
 
 def cmd_models(args) -> int:
@@ -98,7 +111,7 @@ def cmd_draft_server(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = from_args(C.ModelConfig, args, path=args.draft)
+    cfg = from_args(C.ModelConfig, args, path=args.draft, quantize=draft_quantize(args.draft_quantize, args.device))
     tokenizer = load_tokenizer(cfg.path, args.cache_dir)
     model = load_model(cfg, args.cache_dir)
     server = DraftServer(Drafter(model), vocab_fingerprint(tokenizer, logits_width(model)), logits_width(model),
@@ -120,7 +133,7 @@ def cmd_target(args) -> int:
         prompts = [Prompt("cli", args.prompt, chat=args.chat)]
     else:
         prompts = load(args.prompts, args.limit or None)[args.offset::args.stride]
-    target_cfg = from_args(C.ModelConfig, args, path=args.target)
+    target_cfg = from_args(C.ModelConfig, args, path=args.target, quantize="none")
     return run(args.connect, target_cfg, prompts, args.max_new_tokens, from_args(C.SamplingConfig, args),
                from_args(C.DraftConfig, args, prefix="draft-"), args.name, args.json, args.no_spec,
                args.cache_dir, args.threads, args.wait_go, args.timeout)
@@ -157,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("draft-server", help="serve one draft model to many target workers (ZeroMQ ROUTER)")
     p.add_argument("--draft", default=weights.DEFAULT_DRAFT, help="draft model (pinned name, directory or hub id)")
-    add_dataclass_args(p, C.ModelConfig, skip=("path",))
+    add_dataclass_args(p, C.ModelConfig, skip=("path", "quantize"))
+    p.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "int8"), help=QUANTIZE_HELP)
     add_dataclass_args(p, ServerConfig)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -166,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("target", help="a target worker: verify locally, draft on a draft server")
     p.add_argument("--connect", required=True, help="the draft server's address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--target", default=weights.DEFAULT_TARGET, help="target model (pinned name, directory or hub id)")
-    add_dataclass_args(p, C.ModelConfig, skip=("path",))
+    add_dataclass_args(p, C.ModelConfig, skip=("path", "quantize"))
     p.add_argument("--prompt", default=None, help="one prompt (instead of a prompt set)")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
@@ -195,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="humaneval")
     p.add_argument("--limit", type=int, default=4, help="prompts in all, shared round-robin among the targets")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "int8"), help=QUANTIZE_HELP)
     p.add_argument("--serial", action="store_true", help="the draft server drafts one request at a time")
     p.add_argument("--port", type=int, default=0, help="draft server port (0: a free one)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")

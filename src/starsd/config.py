@@ -21,10 +21,16 @@ class ModelConfig:
     path: str = setting("", "pinned name (see `starsd models list`), a local HF model directory, or a hub id")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str = setting("bfloat16", "float32 (bit-exact tests) or bfloat16 (fast)", choices=("float32", "bfloat16", "float16"))
+    quantize: str = setting("none", "int8: dynamic int8 weights for every linear layer (CPU only; a draft "
+                            "stays lossless, since the target verifies it)", choices=("none", "int8"))
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"quantize must be none or int8, not {self.quantize!r}")
+        if self.quantize == "int8" and not self.device.startswith("cpu"):
+            raise ValueError("int8 dynamic quantisation runs on the CPU only")
 
 
 def target_config(**kw) -> ModelConfig:

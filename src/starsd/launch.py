@@ -138,7 +138,8 @@ def main(args) -> int:
     common = ["--dtype", args.dtype, "--threads", str(args.threads)]
     if args.cache_dir:
         common += ["--cache-dir", args.cache_dir]
-    server_args = ["--draft", args.draft, "--device", args.draft_device, *common] + (["--serial"] if args.serial else [])
+    server_args = ["--draft", args.draft, "--device", args.draft_device, "--draft-quantize", args.draft_quantize,
+                   *common] + (["--serial"] if args.serial else [])
     extra = [a for a in args.target_extra if a != "--"]
     target_args = ["--target", args.target, "--device", args.target_device, "--prompts", args.prompts,
                    "--max-new-tokens", str(args.max_new_tokens), *common, *extra]

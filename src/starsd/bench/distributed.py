@@ -90,7 +90,8 @@ def main(args) -> int:
     target_cfg, draft_cfg = model_configs(args)
     draft = from_args(C.DraftConfig, args, prefix="draft-")
     greedy = C.SamplingConfig()
-    server_args = ["--draft", args.draft, "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    server_args = ["--draft", args.draft, "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads),
+                   "--draft-quantize", draft_cfg.quantize]
     if args.cache_dir:
         server_args += ["--cache-dir", args.cache_dir]
     star = start_server(server_args)

@@ -34,7 +34,7 @@ def forward(model, cache: DynamicCache, tokens: torch.Tensor, positions: torch.T
     squeeze = tokens.ndim == 1
     if squeeze:
         tokens, positions, attend = tokens[None], positions[None], attend[None]
-    head = model.get_output_embeddings().weight
+    head = model.get_input_embeddings().weight  # device and dtype (the LM head may be quantised)
     mask = torch.zeros(attend.shape, dtype=head.dtype, device=head.device)
     mask.masked_fill_(~attend.to(head.device), torch.finfo(head.dtype).min)
     out = model.get_decoder()(
@@ -48,6 +48,8 @@ def forward(model, cache: DynamicCache, tokens: torch.Tensor, positions: torch.T
 @torch.inference_mode()
 def lm_head(model, hidden: torch.Tensor) -> torch.Tensor:
     """[..., H] hidden states -> [..., V] float32 logits."""
+    if hidden.ndim == 1:  # quantised linear layers want a batch dimension
+        return model.get_output_embeddings()(hidden[None])[0].float()
     return model.get_output_embeddings()(hidden).float()
 
 

@@ -41,13 +41,15 @@ def load_model(cfg: ModelConfig, cache: str | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     where = resolve(cfg.path, cache)
+    dtype = torch.float32 if cfg.quantize == "int8" else getattr(torch, cfg.dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa"
-        )
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa")
     except Exception as e:
         raise ModelLoadError(_not_found(cfg.path, e)) from e
-    return model.to(cfg.device).eval()
+    model = model.to(cfg.device).eval()
+    if cfg.quantize == "int8":  # int8 weights, float32 activations: ~3x faster draft passes on a CPU
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return model
 
 
 def _not_found(path: str, e: Exception) -> str:
@@ -82,7 +84,7 @@ def check_pair(target_tok, target_vocab: int, draft_tok, draft_vocab: int) -> st
 
 
 def logits_width(model: torch.nn.Module) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    return model.config.vocab_size
 
 
 def eos_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:

@@ -31,7 +31,7 @@ class TargetModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_output_embeddings().weight.device
+        return self.model.get_input_embeddings().weight.device
 
     def start(self, prompt_ids: list[int]) -> TargetSequence:
         """Prefill the prompt (all but its last token, which becomes the pending root)."""
