@@ -118,10 +118,7 @@ def cmd_draft_server(args) -> int:
                          from_args(ServerConfig, args), name=f"starsd-draft:{cfg.path}")
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    thread = server.start()
-    print(json.dumps({"ready": args.bind}), flush=True)
-    while thread.is_alive():
-        thread.join(0.5)
+    server.serve(on_ready=lambda: print(json.dumps({"ready": args.bind}), flush=True))
     return 0
 
 

@@ -200,12 +200,15 @@ class DraftServer:
         router.send_multipart([peer, *P.encode(P.Error("unexpected", f"{type(msg).__name__} is not a request"))])
 
     # ------------------------------------------------------------------ compute loop
-    def serve(self) -> None:
-        """Run until stop(): the IO thread in the background, the compute loop here."""
+    def serve(self, on_ready=None) -> None:
+        """Run until stop(): the IO thread in the background, the compute loop here. Call this from
+        the main thread in production: torch's OpenMP kernels ran ~40% slower from another thread here."""
         self._io_thread.start()
         self.ready.wait()
         if self.failure:
             raise RuntimeError(self.failure)
+        if on_ready:
+            on_ready()
         self._outbox = self.ctx.socket(zmq.PUSH)
         self._outbox.connect(self._outbox_addr)
         log.info("draft server %s listening on %s (%s)", self.name, self.cfg.bind,
@@ -234,6 +237,7 @@ class DraftServer:
             self.ctx.term()
 
     def start(self) -> threading.Thread:
+        """serve() on a thread of its own (tests, embedding); returns once the socket is bound."""
         t = threading.Thread(target=self.serve, name="starsd-compute", daemon=True)
         t.start()
         self.ready.wait()
