@@ -22,13 +22,13 @@ def make_server(tiny_drafters):
     def make(**cfg):
         address = f"tcp://127.0.0.1:{free_port()}"
         server = DraftServer(tiny_drafters["good"], FP, 128, ServerConfig(bind=address, **cfg))
-        server.start()
-        servers.append(server)
+        servers.append((server, server.start()))
         return server, address
 
     yield make
-    for s in servers:
-        s.stop()
+    for server, thread in servers:  # wait for each to close its sockets before the process exits
+        server.stop()
+        thread.join(timeout=5)
 
 
 def client(address, fp=FP):

@@ -158,14 +158,9 @@ class Drafter:
         return [e.tree() for e in expansions]
 
     def _ingest_alone(self, seq: DraftSequence) -> torch.Tensor:
-        """Feed the committed tokens the cache lacks; return the logits after the last one: [V]."""
-        past, total = seq.cached, len(seq.tokens)
-        fresh = torch.tensor(seq.tokens[past:total], dtype=torch.long)
-        m = fresh.shape[0]
-        attend = torch.cat([torch.ones(m, past, dtype=torch.bool), torch.ones(m, m).tril().bool()], dim=1)
-        hidden = fw.forward(self.model, seq.cache, fresh, past + torch.arange(m), attend)
-        seq.cached = total
-        return fw.lm_head(self.model, hidden[-1])
+        """Feed the committed tokens the cache lacks, in the sequence's own cache; return the
+        logits after the last one: [V]."""
+        return _Batch(self.model, [seq]).ingest([0])[0]
 
 
 class _Batch:
