@@ -20,7 +20,9 @@ def _trees_equal(a, b):
     [DraftConfig(depth=4)] * 4,
     [DraftConfig(depth=3, top_k=2, total_tokens=5), DraftConfig(depth=5), DraftConfig(depth=2, top_k=3),
      DraftConfig(depth=6, top_k=2, min_path_prob=0.05)],
-], ids=["same-chains", "mixed-shapes"])
+    # three rows stop after one level: the batch drops their rows and carries on with the fourth
+    [DraftConfig(depth=1), DraftConfig(depth=1), DraftConfig(depth=7, top_k=2, total_tokens=9), DraftConfig(depth=1)],
+], ids=["same-chains", "mixed-shapes", "rows-stop-early"])
 def test_batch_equals_one_at_a_time(tiny_drafters, cfgs):
     drafter: Drafter = tiny_drafters["good"]
     rng = random.Random(0)

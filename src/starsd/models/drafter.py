@@ -166,9 +166,11 @@ class Drafter:
 class _Batch:
     """Several sequences' caches side by side in one batch cache (or, for one sequence, its own).
 
-    Columns [0, width) hold each row's cached prefix (row r's first lengths[r] columns are real);
-    each later pass appends as many columns as its widest row needs. visible[r] marks the columns
-    that hold row r's committed context; tree nodes are reached through their ancestors' slots."""
+    Columns [0, width) hold each sequence's cached prefix (sequence i's first lengths[i] columns are
+    real); each later pass appends as many columns as its widest row needs. visible[i] marks the
+    columns that hold sequence i's committed context; tree nodes are reached through their
+    ancestors' slots. row[i] is sequence i's row in the batch: once half the rows have stopped
+    drafting, the batch drops them, so the remaining levels compute only the sequences still growing."""
 
     def __init__(self, model, seqs: list[DraftSequence]):
         self.model, self.seqs = model, seqs
@@ -176,6 +178,7 @@ class _Batch:
         width = max(s.cached for s in seqs)
         self.cache = seqs[0].cache if self.shared else fw.stack_caches(model, [s.cache for s in seqs], width)
         self.visible = [torch.arange(width) < s.cached for s in seqs]
+        self.row = {i: i for i in range(len(seqs))}
 
     def ingest(self, rows: list[int]) -> list[torch.Tensor]:
         """Feed each row's uncached committed tokens (causally); return the logits after each row's
@@ -195,12 +198,14 @@ class _Batch:
             n = len(fresh[r])
             self.visible[i][start:start + n] = True
             if not self.shared:
-                fw.append_from(self.seqs[i].cache, self.cache, i, start, n)
+                fw.append_from(self.seqs[i].cache, self.cache, self.row[i], start, n)
             self.seqs[i].cached += n
         return [fw.lm_head(self.model, h[-1]) for h in hidden]
 
     def feed(self, rows: list[int], expansions: list[Expansion]) -> list[torch.Tensor]:
         """Feed each row's frontier nodes with tree attention; return their logits [k, V] per row."""
+        if 2 * len(rows) <= len(self.row):
+            self._compact(rows)
         start = fw.cache_len(self.cache)
         tokens, positions, wide = [], [], []
         for i, e in zip(rows, expansions):
@@ -223,19 +228,26 @@ class _Batch:
         """One pass over all rows; wide[r] [n, start + n] is row r's full mask. Hidden [n, H] per row."""
         start = fw.cache_len(self.cache)
         m = max(len(t) for t in tokens)
-        B = len(self.seqs)
+        B = len(self.row)
         tok = torch.zeros(B, m, dtype=torch.long)
         pos = torch.zeros(B, m, dtype=torch.long)
         att = torch.zeros(B, m, start + m, dtype=torch.bool)
         att[:, torch.arange(m), start + torch.arange(m)] = True  # padding sees itself: no NaN
         for r, i in enumerate(rows):
             n = len(tokens[r])
-            tok[i, :n] = torch.tensor(tokens[r])
-            pos[i, :n] = torch.tensor(positions[r])
-            att[i, :n, : start + n] = wide[r]
+            tok[self.row[i], :n] = torch.tensor(tokens[r])
+            pos[self.row[i], :n] = torch.tensor(positions[r])
+            att[self.row[i], :n, : start + n] = wide[r]
         hidden = fw.forward(self.model, self.cache, tok, pos, att)
         self.visible = [torch.cat([v, torch.zeros(m, dtype=torch.bool)]) for v in self.visible]
-        return [hidden[i, : len(tokens[r])] for r, i in enumerate(rows)]
+        return [hidden[self.row[i], : len(tokens[r])] for r, i in enumerate(rows)]
+
+    def _compact(self, keep: list[int]) -> None:
+        """Drop the rows of the sequences not in `keep` (they stopped drafting)."""
+        if self.shared:
+            return
+        fw.select_rows(self.cache, torch.tensor([self.row[i] for i in keep]))
+        self.row = {i: r for r, i in enumerate(keep)}
 
     def close(self) -> None:
         """Drop every tree entry: each sequence's cache covers its committed tokens again."""

@@ -100,3 +100,12 @@ def append_from(dst: DynamicCache, batch: DynamicCache, row: int, start: int, co
     for layer_idx, layer in enumerate(batch.layers):
         dst.update(layer.keys[row:row + 1, :, start:start + count].clone(),
                    layer.values[row:row + 1, :, start:start + count].clone(), layer_idx)
+
+
+@torch.inference_mode()
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only batch rows `rows` (in that order) of every layer."""
+    for layer in cache.layers:
+        idx = rows.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(0, idx)
+        layer.values = layer.values.index_select(0, idx)
