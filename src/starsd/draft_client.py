@@ -72,6 +72,13 @@ class DraftClient:
         msg, _ = self._receive(P.Stats)
         return json.loads(msg.json)
 
+    def ping(self) -> float:
+        """Round trip of a Ping answered by the server's IO thread (ms): the network's share."""
+        t0 = time.perf_counter()
+        self._send(P.Ping(self.tag, time.time()))
+        self._receive(P.Pong)
+        return (time.perf_counter() - t0) * 1e3
+
     def close(self) -> None:
         if self._heartbeat:
             self._heartbeat.stop()

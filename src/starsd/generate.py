@@ -5,10 +5,9 @@ be compared token for token with target-only output."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models.drafter import Drafter
@@ -25,6 +24,7 @@ class Generation:
     num_steps: int  # target forward passes after the prefill
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted at each verify step
     seconds: float = 0.0
+    trace: list[tuple[float, int]] = field(default_factory=list)  # (unix time a step ended, tokens it emitted)
 
     @property
     def mean_accepted(self) -> float:
@@ -46,11 +46,13 @@ def clip(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[list[
 
 
 def target_only(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
-                sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset()) -> Generation:
+                sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
+                deadline: float = math.inf) -> Generation:
     t0 = time.perf_counter()
     gen = make_generator(sampling.seed)
     seq = target.start(prompt_ids)
     out: list[int] = []
+    trace: list[tuple[float, int]] = []
     steps = 0
     done = max_new_tokens <= 0
     while not done:
@@ -58,14 +60,18 @@ def target_only(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
         steps += 1
         emitted, done = clip([next_token(logits[0], sampling, gen)], max_new_tokens - len(out), eos_ids)
         out += emitted
+        trace.append((time.time(), len(emitted)))
+        done = done or trace[-1][0] > deadline
         if not done:
             target.commit(seq, Verdict([], emitted))
-    return Generation(out, steps, seconds=time.perf_counter() - t0)
+    return Generation(out, steps, seconds=time.perf_counter() - t0, trace=trace)
 
 
 def speculative(target: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
                 draft_cfg: DraftConfig, sampling: SamplingConfig,
-                eos_ids: frozenset[int] = frozenset()) -> Generation:
+                eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf) -> Generation:
+    """Draft -> verify -> accept until the budget, an EOS, or the first step ending past `deadline`
+    (unix s; the generation so far is returned)."""
     t0 = time.perf_counter()
     verify_gen = make_generator(sampling.seed)
     draft_gen = make_generator(sampling.seed + 1)
@@ -74,6 +80,7 @@ def speculative(target: TargetModel, drafter: Drafter, prompt_ids: list[int], ma
     new_tokens: list[int] = []
     out: list[int] = []
     accepted: list[int] = []
+    trace: list[tuple[float, int]] = []
     done = max_new_tokens <= 0
     while not done:
         budget = max_new_tokens - len(out)  # at most budget tokens come out: budget-1 drafted + 1
@@ -84,7 +91,9 @@ def speculative(target: TargetModel, drafter: Drafter, prompt_ids: list[int], ma
         accepted.append(verdict.num_accepted)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         out += emitted
+        trace.append((time.time(), len(emitted)))
+        done = done or trace[-1][0] > deadline
         if not done:
             target.commit(seq, verdict)
             new_tokens = verdict.tokens
-    return Generation(out, len(accepted), accepted, time.perf_counter() - t0)
+    return Generation(out, len(accepted), accepted, time.perf_counter() - t0, trace)

@@ -1,0 +1,224 @@
+"""Replay targets: remote target machines emulated on a machine that cannot run N target models.
+
+A replay target runs no target model. For each prompt it holds the real target's greedy
+continuation, recorded once with the real model (`record`, cached), so greedy verification accepts
+exactly the draft tokens the real target would accept: greedy verification reads the target's argmax
+only along the accepted path, and along it the argmax is the recording. Each verify pass waits the
+real target's verify latency for that many scored tokens, drawn from a LatencyProfile: measured
+here for the real target (`measure_latency`), or supplied as JSON for other hardware. The draft
+server they talk to is fully real. Every result produced with replay targets says so ("replay").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from starsd import weights
+from starsd.config import ModelConfig, SamplingConfig
+from starsd.prompts import Prompt
+from starsd.tree import DraftTree, depths
+from starsd.verify import Verdict
+
+
+def _interpolate(points: dict[int, tuple[float, ...]], x: float) -> float:
+    """Mean of the samples at x: linear between measured xs, extended by the last slope."""
+    pts = sorted((k, statistics.fmean(v)) for k, v in points.items())
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, m0), (x1, m1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return m0 + (m1 - m0) * (x - x0) / (x1 - x0)
+    (x0, m0), (x1, m1) = pts[-2:]
+    return max(m1, m1 + (m1 - m0) * (x - x1) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """A target's latencies (ms): one verify pass by the number of tokens it scores (root + draft
+    nodes, the "width"), and the prompt prefill by prompt length (optional: none means free).
+
+    JSON: {"source": "...", "verify_ms": {"1": [samples...] or mean, "8": ...},
+           "prefill_ms": {"120": [samples...] or mean, "400": ...}}."""
+
+    verify_ms: dict[int, tuple[float, ...]]
+    source: str = ""
+    prefill_ms: dict[int, tuple[float, ...]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.verify_ms or min(self.verify_ms) < 1:
+            raise ValueError("a latency profile needs verify_ms for scored widths >= 1")
+        if any(not v or min(v) <= 0 for v in [*self.verify_ms.values(), *self.prefill_ms.values()]):
+            raise ValueError("latencies must be positive")
+
+    def mean(self, width: int) -> float:
+        """Mean verify latency at `width`."""
+        return _interpolate(self.verify_ms, width)
+
+    def prefill(self, length: int) -> float:
+        """Mean prefill latency of a prompt of `length` tokens (0 when the profile has none)."""
+        return _interpolate(self.prefill_ms, length) if self.prefill_ms else 0.0
+
+    def draw(self, width: int, rng: random.Random) -> float:
+        """One latency: a sample of the nearest measured width, scaled to this width's mean."""
+        near = min(self.verify_ms, key=lambda w: (abs(w - width), w))
+        samples = self.verify_ms[near]
+        return rng.choice(samples) * self.mean(width) / statistics.fmean(samples)
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "verify_ms": {str(w): list(v) for w, v in sorted(self.verify_ms.items())},
+                "prefill_ms": {str(n): list(v) for n, v in sorted(self.prefill_ms.items())}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> LatencyProfile:
+        def table(raw: dict) -> dict[int, tuple[float, ...]]:
+            return {int(k): tuple(float(x) for x in (v if isinstance(v, list) else [v])) for k, v in raw.items()}
+
+        try:
+            return cls(table(d["verify_ms"]), str(d.get("source", "")), table(d.get("prefill_ms", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not a latency profile ({e!r}): expected {{\"verify_ms\": {{width: ms}}}}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyProfile:
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read a latency profile from {path}: {e}") from None
+
+
+@dataclass
+class Recording:
+    """The real target's greedy continuations of a prompt set, and what a target needs to say hello."""
+
+    target: str
+    dtype: str
+    max_new_tokens: int
+    fingerprint: str  # vocabulary fingerprint, checked by the draft server at hello
+    vocab_size: int  # width of the target's logits
+    eos_ids: list[int]
+    prompts: dict[str, dict] = field(default_factory=dict)  # id -> {"prompt_ids": [...], "continuation": [...]}
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__))
+        tmp.rename(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recording:
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"cannot read a recording from {path}: {e}") from None
+
+
+def recording_path(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int,
+                   cache: str | None = None) -> Path:
+    key = json.dumps([target_cfg.path, target_cfg.dtype, max_new_tokens, [(p.id, p.text, p.chat) for p in prompts]])
+    return weights.cache_root(cache) / "replay" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def record(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int, cache: str | None = None,
+           threads: int = 0, log=print) -> Recording:
+    """The real target's greedy continuation of each prompt; computed once, then read from the cache."""
+    path = recording_path(target_cfg, prompts, max_new_tokens, cache)
+    if path.exists():
+        return Recording.load(path)
+    from starsd.colocated import Pair
+    from starsd.models.loading import logits_width, vocab_fingerprint
+
+    pair = Pair.load(target_cfg, None, cache, threads)
+    width = logits_width(pair.target.model)
+    rec = Recording(target_cfg.path, target_cfg.dtype, max_new_tokens, vocab_fingerprint(pair.tokenizer, width),
+                    width, sorted(pair.eos_ids))
+    for i, prompt in enumerate(prompts):
+        gen = pair.generate(prompt, max_new_tokens, SamplingConfig(), None)
+        rec.prompts[prompt.id] = {"prompt_ids": prompt.encode(pair.tokenizer), "continuation": gen.token_ids}
+        log(f"recorded {prompt.id} ({i + 1}/{len(prompts)}): {len(gen.token_ids)} tokens in {gen.seconds:.1f} s")
+    rec.save(path)
+    return rec
+
+
+def measure_latency(target, prompts: list[list[int]], widths: list[int], reps: int = 4,
+                    source: str = "") -> LatencyProfile:
+    """Time the real target's prompt prefill (each prompt, twice) and its verify pass (a chain of
+    width-1 draft tokens, after the first prompt) at each width. Widths are interleaved round by
+    round; a sample over twice its width's median is dropped as a disturbance from another process
+    (a machine shared with other work)."""
+    prefill: dict[int, list[float]] = {}
+    for ids in [prompts[0], *prompts, *prompts]:  # the first prefill warms up and is dropped
+        t0 = time.perf_counter()
+        target.start(ids)
+        prefill.setdefault(len(ids), []).append((time.perf_counter() - t0) * 1e3)
+    prefill[len(prompts[0])].pop(0)
+    prompt_ids = prompts[0]
+    seq = target.start(prompt_ids)
+    filler = prompt_ids[-1]
+    samples: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in range(-2, reps):  # two rounds warm up and are dropped
+        for w in widths:
+            t0 = time.perf_counter()
+            target.score(seq, DraftTree.chain([filler] * (w - 1)))
+            ms = (time.perf_counter() - t0) * 1e3
+            target.commit(seq, Verdict([], [filler]))
+            if rep >= 0:
+                samples[w].append(ms)
+    kept = {w: tuple(x for x in v if x <= 2 * statistics.median(v)) for w, v in samples.items()}
+    return LatencyProfile(kept, source, {n: tuple(v) for n, v in prefill.items()})
+
+
+@dataclass
+class ReplaySequence:
+    tokens: list[int]  # prompt + committed
+    continuation: list[int]  # the real target's greedy continuation
+    position: int = 0  # continuation tokens committed so far
+
+
+class ReplayTarget:
+    """The TargetModel interface (start / score / commit), answered from a recording.
+
+    Greedy only: a sampled target's choices cannot be replayed."""
+
+    def __init__(self, recording: Recording, latency: LatencyProfile, seed: int = 0):
+        self.vocab_size = recording.vocab_size
+        self.latency = latency
+        self.rng = random.Random(seed)
+        self.by_prompt = {tuple(p["prompt_ids"]): p["continuation"] for p in recording.prompts.values()}
+        self.verify_ms: list[float] = []  # every latency waited, for reports
+
+    def start(self, prompt_ids: list[int]) -> ReplaySequence:
+        """Waits the target's prefill of a prompt this long."""
+        cont = self.by_prompt.get(tuple(prompt_ids))
+        if cont is None:
+            raise ValueError("this prompt is not in the recording")
+        time.sleep(self.latency.prefill(len(prompt_ids)) / 1e3)
+        return ReplaySequence(list(prompt_ids), cont)
+
+    def score(self, seq: ReplaySequence, tree: DraftTree, want_hidden: bool = False) -> torch.Tensor:
+        """Logits [n+1, V] whose argmax after each node is the recorded token at that depth; waits
+        the verify latency of n+1 scored tokens."""
+        t0 = time.perf_counter()
+        wait_s = self.latency.draw(len(tree) + 1, self.rng) / 1e3
+        at = seq.position + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])
+        cont = torch.tensor(seq.continuation + [0], dtype=torch.long)
+        best = cont[at.clamp(max=len(seq.continuation))]  # past the recording: never on an accepted path
+        logits = torch.zeros(len(tree) + 1, self.vocab_size)
+        logits[torch.arange(len(tree) + 1), best] = 1.0
+        self.verify_ms.append(wait_s * 1e3)
+        time.sleep(max(0.0, wait_s - (time.perf_counter() - t0)))
+        return logits
+
+    def commit(self, seq: ReplaySequence, verdict: Verdict) -> None:
+        want = seq.continuation[seq.position:seq.position + len(verdict.tokens)]
+        if verdict.tokens != want:
+            raise RuntimeError("replay diverged from the recording: replay targets verify greedily only")
+        seq.tokens.extend(verdict.tokens)
+        seq.position += len(verdict.tokens)

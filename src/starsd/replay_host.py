@@ -1,0 +1,111 @@
+"""Many replay targets in one process: each a thread with its own connection and session.
+
+A replay target costs no compute (it sleeps through its verify latency), so one process can stand
+in for N target machines. Each target runs the ordinary draft -> verify -> accept loop
+(generate.speculative) against the real draft server. Prints one JSON line per prompt decoded,
+marked "replay": true, with the per-iteration trace a benchmark needs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.draft_client import DraftClient, RemoteDrafter, Timing
+from starsd.generate import speculative, target_only
+from starsd.replay import LatencyProfile, Recording, ReplayTarget
+
+
+class Host:
+    def __init__(self, connect: str, recording: Recording, latency: LatencyProfile, n: int,
+                 max_new_tokens: int, draft: DraftConfig, no_spec: bool = False, duration_s: float = 0.0,
+                 seed: int = 0, timeout_s: float = 120.0):
+        if max_new_tokens > recording.max_new_tokens:
+            raise ValueError(f"the recording holds {recording.max_new_tokens} tokens per prompt; "
+                             f"cannot replay {max_new_tokens}")
+        self.connect, self.recording, self.latency, self.n = connect, recording, latency, n
+        self.max_new_tokens, self.draft, self.no_spec = max_new_tokens, draft, no_spec
+        self.duration_s, self.seed, self.timeout_s = duration_s, seed, timeout_s
+        self.prompts = list(recording.prompts.items())
+        self.ready = threading.Barrier(n + 1)
+        self.go = threading.Event()
+        self.deadline = float("inf")
+        self.lock = threading.Lock()
+        self.failed = False
+
+    def run(self, wait_go: bool) -> int:
+        threads = [threading.Thread(target=self._target, args=(i,), name=f"replay-{i}", daemon=True)
+                   for i in range(self.n)]
+        for t in threads:
+            t.start()
+        self.ready.wait()
+        if wait_go:
+            print(json.dumps({"ready": f"{self.n} replay targets"}), flush=True)
+            sys.stdin.readline()
+        if self.duration_s:
+            self.deadline = time.time() + self.duration_s
+        self.go.set()
+        for t in threads:
+            t.join()
+        return 1 if self.failed else 0
+
+    def share(self, i: int) -> list[tuple[str, dict]]:
+        """Target i's prompts: every n-th from i for a fixed run; for a timed run, all, starting at i."""
+        if self.duration_s:
+            k = i % len(self.prompts)
+            return self.prompts[k:] + self.prompts[:k]
+        return self.prompts[i::self.n]
+
+    def _target(self, i: int) -> None:
+        name = f"replay-{i}"
+        client = DraftClient(self.connect, self.recording.fingerprint, name, self.timeout_s)
+        try:
+            if not self.no_spec:
+                client.hello()
+        except Exception as e:  # reported below, after the barrier, so the others are not held up
+            self._emit({"target": name, "error": str(e)})
+            self.failed = True
+        self.ready.wait()
+        self.go.wait()
+        try:
+            if not self.failed:
+                self._decode(i, name, client)
+        except Exception as e:
+            self._emit({"target": name, "error": f"{type(e).__name__}: {e}"})
+            self.failed = True
+        finally:
+            client.close()
+
+    def _decode(self, i: int, name: str, client: DraftClient) -> None:
+        target = ReplayTarget(self.recording, self.latency, seed=self.seed * 100_003 + i)
+        drafter = RemoteDrafter(client)
+        eos = frozenset(self.recording.eos_ids)
+        while True:
+            for prompt_id, p in self.share(i):
+                if time.time() >= self.deadline:
+                    return
+                drafter.timing = Timing()
+                target.verify_ms = []
+                started = time.time()
+                if self.no_spec:
+                    gen = target_only(target, p["prompt_ids"], self.max_new_tokens, SamplingConfig(), eos,
+                                      self.deadline)
+                else:
+                    gen = speculative(target, drafter, p["prompt_ids"], self.max_new_tokens, self.draft,
+                                      SamplingConfig(), eos, self.deadline)
+                t = drafter.timing
+                self._emit({
+                    "target": name, "replay": True, "prompt_id": prompt_id, "token_ids": gen.token_ids,
+                    "num_steps": gen.num_steps, "mean_accepted": gen.mean_accepted, "seconds": gen.seconds,
+                    "tokens_per_s": gen.tokens_per_s, "started": started, "finished": time.time(),
+                    "trace": gen.trace, "verify_ms": target.verify_ms, "draft": t.summary(),
+                    "requests": {"wall": t.wall, "queue": t.queue, "service": t.service, "batch": t.batch}})
+            if not self.duration_s:
+                return
+
+    def _emit(self, obj: dict) -> None:
+        with self.lock:
+            print(json.dumps(obj), flush=True)
