@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup models bench clean
+.PHONY: demo test setup models bench bench-star clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ test: models
 
 bench: models
 	$(VENV)/bin/starsd bench colocated --prompts humaneval --limit 16 --json-out results/colocated.json
+
+# The star's measurements: scaling with N (replay targets, real draft server), the replay check
+# against real targets, and the same across emulated hosts (needs root for network namespaces).
+bench-star: models
+	$(VENV)/bin/starsd bench scale --json-out results/scale.json
+	$(VENV)/bin/starsd bench replay-check --json-out results/replay-check.json
+	$(VENV)/bin/starsd bench multihost --json-out results/multihost.json
 
 clean:
 	rm -rf $(VENV) results

@@ -16,7 +16,7 @@ from starsd.colocated import Pair
 from starsd.config import DraftConfig, ModelConfig, SamplingConfig
 from starsd.draft_client import DraftClient, DraftServerError
 from starsd.generate import speculative, target_only
-from starsd.launch import Star, read_json_line, run_targets, spawn, start_server
+from starsd.launch import run_targets, spawn, start_server
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.prompts import humaneval
 

@@ -136,6 +136,44 @@ def cmd_target(args) -> int:
                args.cache_dir, args.threads, args.wait_go, args.timeout)
 
 
+def cmd_replay_targets(args) -> int:
+    import torch
+
+    from starsd.replay import LatencyProfile, Recording
+    from starsd.replay_host import Host
+
+    torch.set_num_threads(1)  # replay targets only sleep; leave the cores to the draft server
+
+    host = Host(args.connect, Recording.load(args.recording), LatencyProfile.load(args.latency), args.targets,
+                args.max_new_tokens, from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,
+                args.duration_s, args.seed, args.timeout)
+    return host.run(args.wait_go)
+
+
+def cmd_model(args) -> int:
+    from starsd import sysmodel
+
+    print(sysmodel.report(sysmodel.Profile.load(args.from_file), [int(n) for n in args.targets.split(",")]))
+    return 0
+
+
+def cmd_stats(args) -> int:
+    import statistics
+
+    from starsd.draft_client import DraftClient
+
+    client = DraftClient(args.connect, "", "stats", timeout_s=args.timeout)
+    try:
+        stats = client.stats()
+        if args.ping:
+            rtts = [client.ping() for _ in range(args.ping)]
+            stats["ping_ms"] = {"median": statistics.median(rtts), "min": min(rtts), "max": max(rtts), "n": len(rtts)}
+    finally:
+        client.close()
+    print(json.dumps(stats))
+    return 0
+
+
 def cmd_launch(args) -> int:
     from starsd.launch import main as launch_main
 
@@ -196,6 +234,39 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(func=cmd_target)
 
+    p = sub.add_parser("replay-targets", help="N replay targets in one process (remote targets emulated; greedy)")
+    p.add_argument("--connect", required=True, help="the draft server's address")
+    p.add_argument("--recording", required=True, help="the real target's recorded continuations (JSON)")
+    p.add_argument("--latency", required=True, help="verify latency profile (JSON: verify_ms by scored width)")
+    p.add_argument("--targets", type=int, default=1, help="replay targets N, one thread and session each")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--duration-s", type=float, default=0.0,
+                   help="decode in a loop over the prompts for this long (0: each target decodes its share once)")
+    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
+    p.add_argument("--wait-go", action="store_true", help="after the handshakes, wait for a line on stdin")
+    p.add_argument("--seed", type=int, default=0, help="seeds the latency draws")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the draft server's reply")
+    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
+    p.set_defaults(func=cmd_replay_targets)
+
+    p = sub.add_parser("model", help="the analytical model's prediction for a measured profile")
+    p.add_argument("--from", dest="from_file", required=True,
+                   help="a profile JSON, or a benchmark JSON holding one (bench scale writes it)")
+    p.add_argument("--targets", default="1,2,4,8,16,32,64", help="N values to predict, comma-separated")
+    p.set_defaults(func=cmd_model)
+
+    p = sub.add_parser("stats", help="print a draft server's counters (JSON): batches, utilisation, timeline")
+    p.add_argument("--connect", required=True, help="the draft server's address")
+    p.add_argument("--ping", type=int, default=0, help="also time this many Ping round trips")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.set_defaults(func=cmd_stats)
+
+    from starsd import simulate
+
+    p = sub.add_parser("simulate", help="discrete-event simulation of K draft servers and N targets on a profile")
+    simulate.add_args(p)
+    p.set_defaults(func=simulate.main)
+
     p = sub.add_parser("launch", help="a local star: one draft server and N targets on this machine")
     p.add_argument("--targets", type=int, default=2, help="number of target processes N")
     p.add_argument("--target", default=weights.DEFAULT_TARGET)
@@ -217,11 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
     bench = p.add_subparsers(dest="bench", required=True)
-    from starsd.bench import colocated, distributed
+    from starsd.bench import colocated, distributed, multihost, replay_check, scale
 
     for module, name, help_ in (
         (colocated, "colocated", "target-only vs speculative vs HF assisted, one process"),
         (distributed, "distributed", "one target: draft server over loopback vs co-located"),
+        (scale, "scale", "throughput, utilisation and latency vs N targets (replay targets), with baselines"),
+        (replay_check, "replay-check", "replay targets vs real target processes at small N (emulation check)"),
+        (multihost, "multihost", "the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)"),
     ):
         q = bench.add_parser(name, help=help_)
         module.add_args(q)

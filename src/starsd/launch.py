@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from starsd.bench.metrics import busy_fraction
 from starsd.draft_client import DraftClient
 
 
@@ -33,8 +34,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "starsd.cli", *args], stdin=subprocess.PIPE,
+def spawn(args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
+    """`starsd ARGS` as a child; `prefix` runs it through a wrapper (e.g. `ip netns exec NS`)."""
+    return subprocess.Popen([*prefix, sys.executable, "-m", "starsd.cli", *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
 
 
@@ -76,9 +78,9 @@ class Star:
                 p.wait()
 
 
-def start_server(server_args: list[str], port: int = 0) -> Star:
-    address = f"tcp://127.0.0.1:{port or free_port()}"
-    server = spawn(["draft-server", "--bind", address, *server_args])
+def start_server(server_args: list[str], port: int = 0, host: str = "127.0.0.1", prefix: list[str] = ()) -> Star:
+    address = f"tcp://{host}:{port or free_port()}"
+    server = spawn(["draft-server", "--bind", address, *server_args], prefix)
     try:
         read_json_line(server, "ready", 300)
     except BaseException:
@@ -126,12 +128,6 @@ def summarize(results: list[dict], n: int) -> dict:
     tokens = sum(v["tokens"] for v in per_target.values())
     return {"targets": n, "prompts": len(results), "tokens": tokens, "wall_s": end - go,
             "system_tokens_per_s": tokens / (end - go), "per_target": targets}
-
-
-def busy_fraction(timeline: list, start: float, end: float) -> float:
-    """Share of [start, end] (unix s) during which the draft server was drafting."""
-    busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b, _ in timeline)
-    return busy / (end - start) if end > start else 0.0
 
 
 def main(args) -> int:

@@ -1,0 +1,120 @@
+"""The scaling benchmark across emulated hosts: the draft server and the targets in separate
+network namespaces joined by a veth cable, at several round-trip times and bandwidths.
+
+Bandwidth is shaped with `tc tbf` on both ends of the cable; delay is added in user space by a
+delay proxy in the target namespace (this kernel has no netem), half of the round trip each way.
+Each point separates the target-side overhead of a draft request (wall - queue - service) into
+serialisation (encode + decode of that request and reply, timed in-process) and network (the rest:
+transport, proxy, the server's IO hop); the measured Ping round trip through the same path is
+reported beside it. Skips with a message where namespaces cannot be made (needs root and iproute2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+import torch
+
+from starsd import netns
+from starsd.bench import scale
+from starsd.bench.distributed import serialisation_ms
+from starsd.bench.report import line_plot, write_json
+from starsd.launch import read_json_line, start_server
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    scale.add_args(p)
+    p.add_argument("--network", default="0.2@1000,1@1000,5@1000,1@100,1@10",
+                   help="RTT_MS@MBIT emulated networks, comma-separated (MBIT 0: unshaped)")
+    p.set_defaults(targets="1,8", warmup_s=8.0, measure_s=20.0, json_out="results/multihost.json",
+                   modes="batched")
+
+
+def networks(text: str) -> list[tuple[float, float | None]]:
+    out = []
+    for item in text.split(","):
+        rtt, _, rate = item.partition("@")
+        mbit = float(rate) if rate else 0.0
+        out.append((float(rtt), mbit or None))
+    return out
+
+
+class Proxy:
+    """The delay proxy, as a process inside the target namespace."""
+
+    def __init__(self, link: netns.Link, upstream: str, delay_ms: float):
+        argv = [*link.exec_argv(link.target_ns), sys.executable, "-m", "starsd.delay_proxy", "--listen", "127.0.0.1:0",
+                "--upstream", upstream.removeprefix("tcp://"), "--delay-ms", str(delay_ms)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.address = "tcp://" + read_json_line(self.proc, "ready", 30)["ready"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float | None) -> list[dict]:
+    with netns.Link(rate) as link:
+        star = start_server(scale.server_args(args, serial=False), host=link.draft_ip,
+                            prefix=link.exec_argv(link.draft_ns))
+        proxy = None
+        try:
+            proxy = Proxy(link, star.address, rtt_ms / 2)
+            runner = scale.Runner(runner_inputs, args, prefix=link.exec_argv(link.target_ns))
+            ping = scale.server_stats(proxy.address, runner.prefix, ping=50)["ping_ms"]["median"]
+            points = []
+            for n in ns:
+                pt, its = runner.point(proxy.address, n)
+                drafted = [it for it in its if it.wall_ms]
+                mean_len = statistics.fmean(it.tokens for it in drafted)
+                ser = serialisation_ms(depth=max(1, round(pt["tokens_per_iteration"] * 2)), new_tokens=round(mean_len))
+                pt.update(mode="batched", rtt_ms=rtt_ms, rate_mbit=rate, ping_rtt_ms=ping, serialisation_ms=ser,
+                          network_ms=pt["overhead_ms"] - ser)
+                pt.pop("utilization_over_time", None)
+                points.append(pt)
+                print(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}: {pt['system_tokens_per_s']:.1f} tok/s, "
+                      f"overhead {pt['overhead_ms']:.2f} ms (network {pt['network_ms']:.2f}, serialisation "
+                      f"{ser:.3f}), ping {ping:.2f} ms", flush=True)
+            return points
+        finally:
+            if proxy:
+                proxy.close()
+            star.close()
+
+
+def main(args) -> int:
+    reason = netns.available()
+    if reason:
+        print(f"multi-host emulation skipped: {reason}")
+        write_json(args.json_out, {"skipped": reason})
+        return 0
+    netns.cleanup_stale()
+    from starsd.cli import model_configs
+
+    ns = [int(x) for x in args.targets.split(",")]
+    torch.set_num_threads(args.threads)
+    target_cfg, _ = model_configs(args)
+    inputs = scale.prepare(args, target_cfg, scale.from_draft_args(args))
+    points = []
+    for rtt, rate in networks(args.network):
+        points += run_network(inputs, args, ns, rtt, rate)
+    write_json(args.json_out, {
+        "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
+                   "latency_profile": inputs.latency.to_json()},
+        "settings": {k: v for k, v in vars(args).items() if k != "func"}, "points": points})
+    stem = str(args.json_out).rsplit(".", 1)[0]
+    series = []
+    rate = networks(args.network)[0][1]  # the delay sweep is drawn at the first network's bandwidth
+    for n in ns:
+        mine = [p for p in points if p["n"] == n and p["rate_mbit"] == rate]
+        series.append({"label": f"N={n}", "x": [p["ping_rtt_ms"] for p in mine],
+                       "y": [p["system_tokens_per_s"] for p in mine], "marker": "o"})
+    line_plot(f"{stem}.png", series, "measured round trip (ms)", "system tokens / s",
+              "Star across emulated hosts (netns + veth, user-space delay)")
+    print(json.dumps([{k: p[k] for k in ("n", "rtt_ms", "rate_mbit", "ping_rtt_ms", "system_tokens_per_s",
+                                          "overhead_ms", "network_ms", "serialisation_ms")} for p in points], indent=1))
+    return 0

@@ -1,0 +1,81 @@
+"""Replay targets against real ones: the same star at small N, once with real target processes and
+once with replay targets that use the latency profile measured here for the real target.
+
+Both runs use the same draft server settings, the same prompts shared out the same way (target i
+decodes prompts i, i+N, ...), and the same budget; system throughput is tokens over the wall time
+from the common start to the last finish. Real targets share this machine's cores with the draft
+server, replay targets do not: the ratio shows how faithful the emulation is where both can run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from starsd.bench import scale
+from starsd.bench.report import bar_plot, write_json
+from starsd.launch import run_targets, start_server, summarize
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    scale.add_args(p)
+    p.set_defaults(targets="1,2", threads=1, json_out="results/replay-check.json")
+
+
+def real_point(args, n: int) -> dict:
+    star = start_server(scale.server_args(args, serial=False))
+    try:
+        target_args = ["--target", args.target, "--dtype", args.dtype, "--threads", str(args.threads),
+                       "--device", args.device, "--prompts", args.prompts, "--max-new-tokens", str(args.max_new_tokens),
+                       *scale.draft_flags(scale.from_draft_args(args))]
+        if args.cache_dir:
+            target_args += ["--cache-dir", args.cache_dir]
+        rows = run_targets(star, n, target_args, args.limit)
+        return {**summarize(rows, n), "results": [brief(r) for r in rows]}
+    finally:
+        star.close()
+
+
+def replay_point(runner: scale.Runner, args, n: int) -> dict:
+    star = start_server(scale.server_args(args, serial=False))
+    try:
+        rows, go = runner.host(star.address, n, duration_s=0)
+    finally:
+        star.close()
+    for r in rows:
+        r["go"] = go
+    return {**summarize(rows, n), "results": [brief(r) for r in rows]}
+
+
+def brief(row: dict) -> dict:
+    """What a comparison needs of one decoded prompt."""
+    return {k: row[k] for k in ("target", "prompt_id", "num_steps", "mean_accepted", "seconds", "draft")}
+
+
+def main(args) -> int:
+    from starsd.cli import model_configs
+
+    ns = [int(x) for x in args.targets.split(",")]
+    torch.set_num_threads(args.threads)  # the latency profile is measured as the real targets run
+    target_cfg, _ = model_configs(args)
+    inputs = scale.prepare(args, target_cfg, scale.from_draft_args(args))
+    runner = scale.Runner(inputs, args)
+    points = []
+    for n in ns:
+        real, replay = real_point(args, n), replay_point(runner, args, n)
+        ratio = replay["system_tokens_per_s"] / real["system_tokens_per_s"]
+        points.append({"n": n, "real": real, "replay": replay, "ratio": ratio})
+        print(f"N={n}: real {real['system_tokens_per_s']:.2f} tok/s, replay {replay['system_tokens_per_s']:.2f} "
+              f"tok/s, ratio {ratio:.3f}", flush=True)
+    write_json(args.json_out, {
+        "replay": {"latency_profile": inputs.latency.to_json(), "recording": inputs.recording_file},
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "points": points, "max_relative_error": max(abs(p["ratio"] - 1) for p in points)})
+    labels = [f"{kind} N={p['n']}" for p in points for kind in ("real", "replay")]
+    values = [p[kind]["system_tokens_per_s"] for p in points for kind in ("real", "replay")]
+    bar_plot(str(args.json_out).rsplit(".", 1)[0] + ".png", labels, values, "system tokens / s",
+             "Replay targets vs real targets (same draft server, same prompts)")
+    print(json.dumps([{"n": p["n"], "ratio": p["ratio"]} for p in points]))
+    return 0

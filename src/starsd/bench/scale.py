@@ -1,0 +1,416 @@
+"""Scaling benchmark: the star against N, side by side with its baselines, in one run.
+
+Targets are replay targets (replay.py): remote target machines emulated with the real target's
+recorded greedy continuations and its verify latency, so N of them cost this machine nothing; the
+draft server is real. Modes, each measured over the same window after a warm-up:
+- target-only: a target decoding alone, no speculation. Targets on separate machines do not
+  interact, so it is measured at N = 1 and the system figure is N times it.
+- single-pair: each target with a draft server of its own (draft-then-verify). Measured as the
+  batched server's N = 1 point (one target, one server) and multiplied the same way.
+- serial: one draft server for N targets, drafting one request at a time (the reference behaviour).
+- batched: one draft server for N targets, the work-conserving batched loop.
+The analytical model (sysmodel.py) and the simulator (simulate.py) get the profile the model is
+defined on: S(b), the draft server's own mean batch time by batch size over every server point,
+and R and tau from the single-pair point. A service sweep of the draft model in this process,
+without the targets beside it, is reported next to it (`service_sweep_ms`). Writes JSON (points,
+profile, checks) and three plots: throughput vs N with the prediction, utilisation over time,
+per-token latency CDF; `--replot JSON` redraws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from starsd import config as C
+from starsd import simulate, sysmodel
+from starsd.bench import metrics
+from starsd.bench.report import line_plot, panel_plot, write_json
+from starsd.draft_client import DraftClient
+from starsd.launch import read_json_line, spawn, start_server
+from starsd.models.drafter import DraftJob, Drafter
+from starsd.prompts import load as load_prompts
+from starsd.replay import LatencyProfile, Recording, ReplayTarget, measure_latency, record, recording_path
+from starsd.verify import verify_greedy
+
+WIDTHS = [1, 2, 3, 4, 6, 8, 11, 16]  # scored tokens per verify pass, for the measured latency profile
+SWEEP = [1, 2, 4, 8, 16, 32, 48]  # batch sizes of the service sweep
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from starsd.cli import add_dataclass_args, add_model_args
+
+    p.add_argument("--targets", default="1,2,4,8,16,32,64", help="numbers of targets N, comma-separated")
+    p.add_argument("--modes", default="target-only,single-pair,serial,batched")
+    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--limit", type=int, default=16, help="prompts recorded and cycled through")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--latency", default=None, help="a verify latency profile (JSON) for other target hardware; "
+                                                   "default: measured here on the real target")
+    p.add_argument("--warmup-s", type=float, default=20.0, help="seconds before the window opens (every "
+                   "target's first request prefills its prompt: at large N a serial server needs a while)")
+    p.add_argument("--measure-s", type=float, default=30.0, help="length of the measuring window")
+    p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default="results/scale.json")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plots of a result JSON")
+    add_model_args(p)
+    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
+    p.set_defaults(dtype="bfloat16", threads=2)
+
+
+def draft_flags(cfg: C.DraftConfig) -> list[str]:
+    """The --draft-* flags that give `cfg` to another starsd command."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        flag, value = "--draft-" + f.name.replace("_", "-"), getattr(cfg, f.name)
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def from_draft_args(args) -> C.DraftConfig:
+    from starsd.cli import from_args
+
+    return from_args(C.DraftConfig, args, prefix="draft-")
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What every point needs: the recording, the latency profile, and the files that hold them."""
+
+    recording: Recording
+    recording_file: str
+    latency: LatencyProfile
+    latency_file: str
+    draft: C.DraftConfig
+
+
+def prepare(args, target_cfg: C.ModelConfig, draft: C.DraftConfig) -> Inputs:
+    """Record the real target's continuations (cached) and measure its verify latency here (or
+    read --latency); the measured profile is written next to the JSON, as STEM-verify-latency.json."""
+    prompts = load_prompts(args.prompts, args.limit)
+    rec = record(target_cfg, prompts, args.max_new_tokens, args.cache_dir, args.threads)
+    rec_file = str(recording_path(target_cfg, prompts, args.max_new_tokens, args.cache_dir))
+    if args.latency:
+        return Inputs(rec, rec_file, LatencyProfile.load(args.latency), args.latency, draft)
+    from starsd.colocated import Pair
+
+    pair = Pair.load(target_cfg, None, args.cache_dir, args.threads)
+    prompts = [p["prompt_ids"] for p in rec.prompts.values()]
+    by_length = sorted(prompts, key=len)
+    spread = [by_length[0], by_length[len(by_length) // 2], by_length[-1]]  # short, median, long prompt
+    latency = measure_latency(pair.target, [prompts[0], *spread], WIDTHS, reps=10,
+                              source=f"measured: {target_cfg.path} {target_cfg.dtype}, {args.threads} threads")
+    lat_file = Path(str(args.json_out).rsplit(".", 1)[0] + "-verify-latency.json")
+    lat_file.parent.mkdir(parents=True, exist_ok=True)
+    lat_file.write_text(json.dumps(latency.to_json(), indent=1))
+    return Inputs(rec, rec_file, latency, str(lat_file), draft)
+
+
+def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.DraftConfig,
+                    reps: int = 3, rows_per_size: int = 8) -> dict[int, list[float]]:
+    """S(b): wall time of one batched draft of b sessions in steady state (ms). Each session is a
+    recorded prompt fed its real accepted tokens (a replay target with no latency verifies). A
+    batch drafts as deep as its deepest row needs, so small batches are measured on several
+    disjoint groups of prompts (at least rows_per_size rows in all) to average over prompts."""
+    prompts = [p["prompt_ids"] for p in rec.prompts.values() if len(p["continuation"]) == rec.max_new_tokens]
+    if not prompts:
+        raise ValueError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
+    out = {}
+    for b in sizes:
+        out[b] = []
+        for g in range(max(1, -(-rows_per_size // b))):
+            rows = [prompts[(g * b + i) % len(prompts)] for i in range(b)]
+            out[b] += _time_group(drafter, rec, rows, cfg, reps)
+        print(f"service sweep: batch {b}: {statistics.fmean(out[b]):.0f} ms", flush=True)
+    return out
+
+
+def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.DraftConfig, reps: int) -> list[float]:
+    judge = ReplayTarget(rec, LatencyProfile({1: (1e-6,)}))
+    seqs, judged = [drafter.start(r) for r in rows], [judge.start(r) for r in rows]
+    new: list[list[int]] = [[] for _ in rows]
+    times = []
+    for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, dropped
+        budget = [len(j.continuation) - j.position for j in judged]  # tokens left in the recording
+        if min(budget) < 2:
+            raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
+        jobs = [DraftJob(s, t, cfg, C.SamplingConfig(), None, k - 1) for s, t, k in zip(seqs, new, budget)]
+        t0 = time.perf_counter()
+        trees = drafter.propose_batch(jobs)
+        if rep:
+            times.append((time.perf_counter() - t0) * 1e3)
+        for i, (tree, j) in enumerate(zip(trees, judged)):
+            tree = tree.truncate(budget[i] - 1)
+            verdict = verify_greedy(tree, judge.score(j, tree))
+            judge.commit(j, verdict)
+            new[i] = verdict.tokens
+    return times
+
+
+class Runner:
+    """Runs one point: a replay host with n targets against a draft server, over warm-up + window."""
+
+    def __init__(self, inputs: Inputs, args, prefix: list[str] = ()):
+        self.inputs, self.args, self.prefix = inputs, args, list(prefix)
+
+    def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None
+             ) -> tuple[list[dict], float]:
+        """Run n replay targets (for duration_s, default warm-up + window; 0: each decodes its share
+        of the prompts once); return their JSON rows and the unix time they were released."""
+        a = self.args
+        duration_s = a.warmup_s + a.measure_s if duration_s is None else duration_s
+        argv = ["replay-targets", "--connect", address, "--recording", self.inputs.recording_file,
+                "--latency", self.inputs.latency_file, "--targets", str(n), "--max-new-tokens", str(a.max_new_tokens),
+                "--duration-s", str(duration_s), "--wait-go", "--seed", str(a.seed),
+                *draft_flags(self.inputs.draft), *(["--no-spec"] if no_spec else [])]
+        proc = spawn(argv, self.prefix)
+        try:
+            read_json_line(proc, "ready", 120)
+            go = time.time()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out, _ = proc.communicate(timeout=(duration_s or 3600) + 300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        errors = [r["error"] for r in rows if "error" in r]
+        if proc.returncode or errors:
+            raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
+        return rows, go
+
+    def point(self, address: str | None, n: int, no_spec: bool = False) -> tuple[dict, list[metrics.Iteration]]:
+        rows, go = self.host(address or "tcp://127.0.0.1:9", n, no_spec)
+        w0 = go + self.args.warmup_s
+        w1 = w0 + self.args.measure_s
+        timeline = None if address is None else server_stats(address, self.prefix)["timeline"]
+        its = metrics.iterations(rows)
+        return metrics.point(its, n, w0, w1, timeline), [it for it in its if w0 <= it.end <= w1]
+
+
+def server_stats(address: str, prefix: list[str] = (), ping: int = 0) -> dict:
+    """The draft server's counters, asked from where the targets are (`prefix`: another namespace)."""
+    if prefix:
+        argv = [*prefix, sys.executable, "-m", "starsd.cli", "stats", "--connect", address, "--ping", str(ping)]
+        return json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout)
+    client = DraftClient(address, "", "bench", timeout_s=30)
+    try:
+        stats = client.stats()
+        if ping:
+            stats["ping_ms"] = {"median": statistics.median(client.ping() for _ in range(ping))}
+        return stats
+    finally:
+        client.close()
+
+
+def server_args(args, serial: bool) -> list[str]:
+    out = ["--draft", args.draft, "--dtype", args.dtype, "--threads", str(args.threads), "--draft-quantize",
+           args.draft_quantize, "--device", args.device, "--max-batch", str(args.max_batch)]
+    if args.cache_dir:
+        out += ["--cache-dir", args.cache_dir]
+    return out + (["--serial"] if serial else [])
+
+
+def run_server_mode(runner: Runner, args, ns: list[int], serial: bool, host: str = "127.0.0.1",
+                    prefix: list[str] = ()) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
+    mode = "serial" if serial else "batched"
+    star = start_server(server_args(args, serial), host=host, prefix=prefix)
+    points, its = [], {}
+    try:
+        for n in ns:
+            pt, its[n] = runner.point(star.address, n)
+            points.append({"mode": mode, **pt})
+            print(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
+                  f"batch {pt['mean_batch']:.1f}, latency CV {pt['latency_cv']:.2f}", flush=True)
+    finally:
+        star.close()
+    return points, its
+
+
+def derived(base: dict, mode: str, ns: list[int]) -> list[dict]:
+    """N independent copies of a one-target point (targets on machines of their own do not interact)."""
+    out = []
+    for n in ns:
+        pt = {k: v for k, v in base.items() if k != "utilization_over_time"}
+        pt.update(mode=mode, n=n, system_tokens_per_s=base["system_tokens_per_s"] * n, derived_from_n=1)
+        out.append(pt)
+    return out
+
+
+def build_profile(points: list[dict], alone: list[metrics.Iteration], target_only: dict,
+                  max_batch: int) -> sysmodel.Profile:
+    """The model's inputs, as the paper takes them: S(b) is the draft server's own mean batch time by
+    batch size, pooled over every server point's window (prompt prefills, the IO thread and the
+    targets' share of the cores included); R and tau come from the single-pair point."""
+    drafted = [it for it in alone if it.wall_ms]
+    pairs = [tuple(x) for p in points if p["mode"] in ("serial", "batched") for x in p["batch_times"]]
+    return sysmodel.Profile(
+        service_ms=metrics.service_table(pairs),
+        return_ms=statistics.fmean(it.ms - it.queue_ms - it.service_ms for it in drafted),
+        tokens_per_iteration=statistics.fmean(it.tokens for it in drafted),
+        target_only_ms_per_token=1e3 / target_only["per_target_tokens_per_s"],
+        max_batch=max_batch,
+        return_samples_ms=tuple(round(it.ms - it.queue_ms - it.service_ms, 3) for it in drafted[:2000]),
+        tokens_samples=tuple(it.tokens for it in drafted[:2000]))
+
+
+def observed_service(points: list[dict]) -> dict[str, float]:
+    """The draft server's own mean batch time by mean batch size, per point: the model's S(b) as
+    the server experienced it, to compare with the profile's."""
+    return {f"{p['mode']} N={p['n']}": {"mean_batch": p["mean_batch"], "service_ms": p["service_ms"]}
+            for p in points if p["mode"] in ("serial", "batched")}
+
+
+def annotate(points: list[dict], profile: sysmodel.Profile, seed: int) -> dict:
+    """Add model and simulator predictions to each draft-server point; return N_full per mode."""
+    sims = {(s["mode"], s["n"]): s for s in simulate.compare(profile, points, seed)}
+    n_full = {}
+    for mode in ("serial", "batched"):
+        mine = [p for p in points if p["mode"] == mode]
+        if not mine:
+            continue
+        x1 = next((p["system_tokens_per_s"] for p in mine if p["n"] == 1), None)
+        n_full[mode] = {"measured": max(p["system_tokens_per_s"] for p in mine) / x1 if x1 else None,
+                        "predicted": sysmodel.n_full(profile, mode == "serial")}
+        for p in mine:
+            pred = sysmodel.predict(profile, p["n"], mode == "serial")
+            p.update(predicted_system_tokens_per_s=pred.system_tokens_per_s, predicted_utilization=pred.utilization,
+                     simulated_system_tokens_per_s=sims[(mode, p["n"])]["simulated_tokens_per_s"],
+                     n_full_measured=n_full[mode]["measured"], n_full_predicted=n_full[mode]["predicted"])
+    return n_full
+
+
+def checks(points: list[dict], n_full: dict) -> dict:
+    """The issue's targets, each with the figures it was judged on."""
+    by = {m: sorted((p for p in points if p["mode"] == m), key=lambda p: p["n"]) for m in {p["mode"] for p in points}}
+    out = {}
+    for mode, nf in n_full.items():
+        loaded = [p for p in by[mode] if nf["measured"] and p["n"] >= nf["measured"]]
+        errs = [abs(p["predicted_system_tokens_per_s"] / p["system_tokens_per_s"] - 1) for p in by[mode]]
+        sim_errs = [abs(p["simulated_system_tokens_per_s"] / p["system_tokens_per_s"] - 1) for p in by[mode]]
+        out[mode] = {
+            "utilization_past_n_full": [round(p["draft_utilization"], 3) for p in loaded],
+            "utilization_past_n_full_ge_90pct": all(p["draft_utilization"] >= 0.9 for p in loaded) if loaded else None,
+            "n_full_error": abs(nf["predicted"] / nf["measured"] - 1) if nf["measured"] else None,
+            "throughput_max_error": max(errs),
+            "throughput_errors": [round(e, 3) for e in errs],
+            "simulator_max_error": max(sim_errs),
+            "simulator_errors": [round(e, 3) for e in sim_errs],
+        }
+    if "serial" in n_full and "batched" in n_full:
+        sat = {m: max(p["system_tokens_per_s"] for p in by[m]) for m in ("serial", "batched")}
+        out["batched_vs_serial"] = {"n_full_ratio": n_full["batched"]["measured"] / n_full["serial"]["measured"],
+                                    "saturated_throughput_ratio": sat["batched"] / sat["serial"]}
+    if "single-pair" in by and "batched" in n_full:
+        at = min(by["batched"], key=lambda p: abs(p["n"] - n_full["batched"]["measured"]))
+        out["latency_cv"] = {"single_pair": by["single-pair"][0]["latency_cv"], "batched_n": at["n"],
+                             "batched_at_n_full": at["latency_cv"]}
+    return out
+
+
+COLOURS = {"target-only": "#7f7f7f", "single-pair": "#2ca02c", "serial": "#ff7f0e", "batched": "#1f77b4"}
+
+
+def plot(path_stem: str, result: dict) -> None:
+    """The three PNGs, from a result JSON: throughput vs N (system and per target) with the model's
+    prediction, utilisation over time, per-token latency CDF."""
+    points, profile = result["points"], sysmodel.Profile.from_json(result["profile"])
+    ns = sorted({p["n"] for p in points})
+    panels = []
+    for key, ylabel in (("system_tokens_per_s", "system tokens / s"), ("per_target_tokens_per_s", "tokens / s per target")):
+        series = []
+        for mode, colour in COLOURS.items():
+            mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["n"])
+            if not mine:
+                continue
+            series.append({"label": f"{mode} (measured)", "x": [p["n"] for p in mine], "y": [p[key] for p in mine],
+                           "marker": "o", "color": colour})
+            if mode in ("serial", "batched"):
+                grid = list(range(1, max(ns) + 1))
+                pred = [sysmodel.predict(profile, n, mode == "serial") for n in grid]
+                series.append({"label": f"{mode} (model)", "x": grid, "ls": "--", "color": colour,
+                               "y": [getattr(r, key) for r in pred]})
+        panels.append({"series": series, "xlabel": "targets N", "ylabel": ylabel, "logx": True, "logy": True,
+                       "title": ylabel.capitalize() + " vs N"})
+    panel_plot(f"{path_stem}.png", panels)
+    panels = []
+    for mode in ("serial", "batched"):
+        mine = [p for p in points if p["mode"] == mode and "utilization_over_time" in p]
+        panels.append({"xlabel": "seconds into the window", "ylabel": "draft server busy share",
+                       "title": f"{mode} draft server utilisation", "series": [
+                           {"label": f"N={p['n']}", "x": list(range(len(p["utilization_over_time"]))),
+                            "y": p["utilization_over_time"]} for p in mine]})
+    panel_plot(f"{path_stem}-utilization.png", panels)
+    cdf = [{"label": label, "x": lat, "y": [(i + 1) / len(lat) for i in range(len(lat))],
+            "color": COLOURS[label.split()[0]]} for label, lat in result.get("latency_cdf_ms", {}).items()]
+    if cdf:
+        line_plot(f"{path_stem}-latency.png", cdf, "per-token latency (ms)", "CDF",
+                  "Per-token latency (single pair; one server at its N_full)")
+
+
+def latency_cdf(its: dict, n_full: dict) -> dict[str, list[float]]:
+    """Sorted per-token latencies of the single pair and of each server mode at its measured N_full."""
+    chosen = {"single-pair N=1": its[("batched", 1)]}
+    for mode in ("serial", "batched"):
+        if mode in n_full and n_full[mode]["measured"]:
+            n = min((n for m, n in its if m == mode), key=lambda n: abs(n - n_full[mode]["measured"]))
+            chosen[f"{mode} N={n}"] = its[(mode, n)]
+    return {label: [round(x, 2) for x in sorted(metrics.per_token_latencies(v))] for label, v in chosen.items()}
+
+
+def main(args) -> int:
+    if args.replot:
+        plot(str(args.replot).rsplit(".", 1)[0], json.loads(Path(args.replot).read_text()))
+        return 0
+    from starsd.cli import model_configs
+    from starsd.models.loading import load_model
+
+    ns = [int(x) for x in args.targets.split(",")]
+    modes = args.modes.split(",")
+    target_cfg, draft_cfg = model_configs(args)
+    draft = from_draft_args(args)
+    torch.set_num_threads(args.threads)
+    stem = str(args.json_out).rsplit(".", 1)[0]
+    inputs = prepare(args, target_cfg, draft)
+    drafter = Drafter(load_model(draft_cfg, args.cache_dir))
+    service = measure_service(drafter, inputs.recording, [b for b in SWEEP if b <= args.max_batch], draft)
+    del drafter
+    runner = Runner(inputs, args)
+    alone, alone_its = runner.point(None, 1, no_spec=True)
+    print(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target", flush=True)
+    points = derived(alone, "target-only", ns) if "target-only" in modes else []
+    its = {}
+    for serial, mode in ((False, "batched"), (True, "serial")):
+        if mode in modes or (mode == "batched" and "single-pair" in modes):
+            pts, mode_its = run_server_mode(runner, args, ns if mode in modes else [1], serial)
+            points += pts if mode in modes else []
+            its.update({(mode, n): v for n, v in mode_its.items()})
+            if not serial and "single-pair" in modes:
+                points += derived(pts[0], "single-pair", ns)
+    profile = build_profile(points, its[("batched", 1)], alone, args.max_batch)
+    n_full = annotate(points, profile, args.seed)
+    result = {
+        "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
+                   "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "profile": profile.to_json(), "service_sweep_ms": service,
+        "service_observed_ms": observed_service(points), "n_full": n_full,
+        "checks": checks(points, n_full), "points": points,
+    }
+    result["latency_cdf_ms"] = latency_cdf(its, n_full)
+    write_json(args.json_out, result)
+    plot(stem, result)
+    print(json.dumps(result["checks"], indent=1))
+    return 0

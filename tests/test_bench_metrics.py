@@ -1,0 +1,154 @@
+"""Benchmark arithmetic: iterations from traces, window figures, checks; and the scale benchmark
+end to end on tiny models (real draft server, replay targets)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import tiny
+from starsd import config as C
+from starsd.bench import metrics, scale
+from starsd.bench.multihost import networks
+
+
+def row(target, started, trace, wall=None):
+    r = {"target": target, "started": started, "trace": trace}
+    if wall is not None:
+        k = len(trace)
+        r["requests"] = {"wall": [wall] * k, "queue": [1.0] * k, "service": [10.0] * k, "batch": [2] * k}
+    return r
+
+
+def test_iterations_run_from_the_previous_step():
+    its = metrics.iterations([row("a", 100.0, [(100.5, 3), (101.5, 2)], wall=12.0)])
+    assert [(it.start, it.end, it.tokens) for it in its] == [(100.0, 100.5, 3), (100.5, 101.5, 2)]
+    assert its[1].ms == pytest.approx(1000) and its[0].wall_ms == 12.0 and its[0].batch == 2
+    assert metrics.iterations([row("b", 0.0, [(0.1, 1)])])[0].wall_ms == 0.0  # target-only: no draft request
+
+
+def test_point_counts_only_the_window_and_defines_latency():
+    rows = [row("a", 0.0, [(1.0, 4), (2.0, 2), (3.0, 1)], wall=12.0), row("b", 0.0, [(2.5, 5)], wall=12.0)]
+    timeline = [(1.0, 1.5, 1), (2.0, 3.0, 2), (9.0, 10.0, 1)]
+    pt = metrics.point(metrics.iterations(rows), 3, 1.5, 3.5, timeline)
+    assert pt["iterations"] == 3 and pt["tokens"] == 8  # a's steps ending at 2 and 3, b's at 2.5
+    assert pt["system_tokens_per_s"] == pytest.approx(4.0)
+    assert pt["per_target_tokens_per_s"] == pytest.approx(8 / 2 / 3)
+    assert pt["per_target_min_tokens_per_s"] == 0.0  # the third target never finished a step
+    lat = sorted([500.0] * 2 + [1000.0] + [500.0] * 5)  # per token: 1000/2, 1000/1, 2500/5
+    assert pt["latency_mean_ms"] == pytest.approx(sum(lat) / len(lat))
+    assert pt["latency_p50_ms"] == 500.0 and pt["latency_p99_ms"] == 1000.0
+    assert pt["draft_utilization"] == pytest.approx(1.0 / 2.0) and pt["idle_ratio"] == pytest.approx(0.5)
+    assert pt["overhead_ms"] == pytest.approx(1.0) and pt["return_ms"] == pytest.approx((1000 + 1000 + 2500) / 3 - 11)
+    with pytest.raises(RuntimeError, match="window"):
+        metrics.point(metrics.iterations(rows), 2, 50.0, 60.0)
+
+
+def test_busy_over_time_bins():
+    assert metrics.busy_over_time([(0.0, 0.5, 1), (1.25, 2.0, 3)], 0.0, 2.0) == [0.5, 0.75]
+
+
+def test_draft_flags_round_trip_through_the_cli():
+    from starsd.cli import build_parser, from_args
+
+    cfg = C.DraftConfig(depth=6, top_k=1, sample=True, min_path_prob=0.1)
+    args = build_parser().parse_args(["replay-targets", "--connect", "x", "--recording", "r", "--latency", "l",
+                                      *scale.draft_flags(cfg)])
+    assert from_args(C.DraftConfig, args, prefix="draft-") == cfg
+
+
+def test_derived_points_scale_one_target():
+    base = {"n": 1, "system_tokens_per_s": 5.0, "per_target_tokens_per_s": 5.0, "latency_cv": 0.3,
+            "utilization_over_time": [0.5]}
+    pts = scale.derived(base, "single-pair", [1, 4])
+    assert [p["system_tokens_per_s"] for p in pts] == [5.0, 20.0]
+    assert all(p["per_target_tokens_per_s"] == 5.0 and p["derived_from_n"] == 1 for p in pts)
+    assert "utilization_over_time" not in pts[1]
+
+
+def test_checks_judge_the_issue_targets():
+    pts = [{"mode": "serial", "n": n, "system_tokens_per_s": x, "draft_utilization": u, "latency_cv": 0.2,
+            "predicted_system_tokens_per_s": x * 1.1, "simulated_system_tokens_per_s": x}
+           for n, x, u in ((1, 10.0, 0.3), (2, 20.0, 0.6), (4, 25.0, 0.95))]
+    pts += [{"mode": "batched", "n": n, "system_tokens_per_s": x, "draft_utilization": u, "latency_cv": 0.1,
+             "predicted_system_tokens_per_s": x, "simulated_system_tokens_per_s": x * 0.9}
+            for n, x, u in ((1, 10.0, 0.3), (4, 40.0, 0.8), (8, 80.0, 0.97))]
+    pts += [{"mode": "single-pair", "n": 1, "system_tokens_per_s": 10.0, "latency_cv": 0.4}]
+    n_full = {"serial": {"measured": 2.5, "predicted": 2.0}, "batched": {"measured": 8.0, "predicted": 8.0}}
+    c = scale.checks(pts, n_full)
+    assert c["serial"]["utilization_past_n_full"] == [0.95] and c["serial"]["utilization_past_n_full_ge_90pct"]
+    assert c["serial"]["n_full_error"] == pytest.approx(0.2)
+    assert c["serial"]["throughput_max_error"] == pytest.approx(0.1)
+    assert c["batched"]["simulator_max_error"] == pytest.approx(0.1)
+    assert c["batched_vs_serial"] == {"n_full_ratio": pytest.approx(3.2), "saturated_throughput_ratio": pytest.approx(3.2)}
+    assert c["latency_cv"] == {"single_pair": 0.4, "batched_n": 8, "batched_at_n_full": 0.1}
+
+
+def test_network_list_parses():
+    assert networks("0.2@1000,5,1@0") == [(0.2, 1000.0), (5.0, None), (1.0, None)]
+
+
+def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
+    tok = tiny.char_tokenizer()
+    target = tiny.tiny_model(1)
+    t = tiny.save(target, tok, tmp_path / "target")
+    d = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft")
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, "-m", "starsd.cli", "bench", "scale", "--target", t, "--draft", d, "--dtype", "float32",
+           "--draft-quantize", "none", "--threads", "1", "--targets", "1,3", "--limit", "3", "--max-new-tokens", "24",
+           "--warmup-s", "0.5", "--measure-s", "1.5", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    modes = {(p["mode"], p["n"]) for p in result["points"]}
+    assert modes == {(m, n) for m in ("target-only", "single-pair", "serial", "batched") for n in (1, 3)}
+    for p in result["points"]:
+        assert p["system_tokens_per_s"] > 0 and p["per_target_tokens_per_s"] > 0 and "latency_cv" in p
+        if p["mode"] in ("serial", "batched"):
+            assert 0 < p["draft_utilization"] <= 1
+            assert p["n_full_measured"] > 0 and p["n_full_predicted"] > 0
+    assert "replay" in result["replay"]["targets"]
+    assert set(result["n_full"]) == {"serial", "batched"}
+    for suffix in ("", "-utilization", "-latency"):
+        assert (tmp_path / f"scale{suffix}.png").stat().st_size > 1000
+    model = subprocess.run([sys.executable, "-m", "starsd.cli", "model", "--from", str(out), "--targets", "1,2,8"],
+                           capture_output=True, text=True, timeout=60)
+    assert model.returncode == 0 and "N_full" in model.stdout
+
+
+def test_multihost_benchmark_across_namespaces(tmp_path):
+    from starsd import netns
+
+    reason = netns.available()
+    if reason:
+        pytest.skip(reason)
+    before = set(netns.list_namespaces())
+    tok = tiny.char_tokenizer()
+    target = tiny.tiny_model(1)
+    t = tiny.save(target, tok, tmp_path / "target")
+    d = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft")
+    out = tmp_path / "multihost.json"
+    cmd = [sys.executable, "-m", "starsd.cli", "bench", "multihost", "--target", t, "--draft", d, "--dtype", "float32",
+           "--draft-quantize", "none", "--threads", "1", "--targets", "2", "--limit", "3", "--max-new-tokens", "24",
+           "--warmup-s", "0.5", "--measure-s", "1.5", "--network", "0@0,4@10", "--cache-dir", str(tmp_path / "cache"),
+           "--json-out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    points = json.loads(out.read_text())["points"]
+    assert [(p["rtt_ms"], p["rate_mbit"]) for p in points] == [(0.0, None), (4.0, 10.0)]
+    fast, slow = points
+    assert slow["ping_rtt_ms"] > fast["ping_rtt_ms"] + 3  # the proxy's delay is on the path
+    assert slow["network_ms"] > fast["network_ms"] + 3
+    assert all(p["serialisation_ms"] < 1 and p["system_tokens_per_s"] > 0 for p in points)
+    assert set(netns.list_namespaces()) == before  # the benchmark removed its namespaces
+
+
+def test_service_table_from_the_server_timeline():
+    timeline = [(10.0, 10.1, 1), (10.2, 10.3, 1), (10.4, 10.5, 1), (11.0, 11.4, 4), (11.5, 11.9, 4),
+                (12.0, 12.5, 4), (12.6, 13.6, 9), (20.0, 21.0, 1)]
+    pairs = metrics.batch_times(timeline, 10.0, 13.0)
+    assert pairs[0] == (1, pytest.approx(100.0)) and len(pairs) == 7  # the batch starting at 20 s is outside
+    table = metrics.service_table(pairs)
+    assert set(table) == {1, 4}  # size 9 was seen once: left to interpolation
+    assert table[4] == pytest.approx(433.333, rel=1e-3)
