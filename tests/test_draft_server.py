@@ -109,3 +109,43 @@ def test_two_requests_of_one_session_in_flight_are_served_in_order(make_server):
         eager.step += 1
     got = [eager._receive(P.DraftReply)[1][0].tolist() for _ in steps[1:]]
     assert got == want[1:]
+
+
+def test_stop_is_prompt_however_long_the_queue(tiny_drafters):
+    """A stopped server finishes the batch in hand and exits. It used to hang for good: the IO
+    thread had gone, and handing it the batch's reply blocked the compute loop forever (a draft
+    server under load ignored SIGTERM); and a serial server drafted its whole queue first."""
+
+    class Slow:
+        def propose_batch(self, jobs):
+            time.sleep(0.3)
+            return tiny_drafters["good"].propose_batch(jobs)
+
+        def start(self, prompt_ids):
+            return tiny_drafters["good"].start(prompt_ids)
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = DraftServer(Slow(), FP, 128, ServerConfig(bind=address, serial=True))
+    thread = server.start()
+    clients = [DraftClient(address, FP, "t", timeout_s=3, heartbeat_s=0) for _ in range(8)]
+    for c in clients:
+        c.hello()
+
+    def ask(c):
+        try:
+            c.draft([1, 2, 3], 5, CHAIN)
+        except DraftServerError:
+            pass
+
+    askers = [threading.Thread(target=ask, args=(c,)) for c in clients]
+    for a in askers:
+        a.start()
+    time.sleep(0.5)  # the server is drafting the first of 8 queued requests (2.4 s of work)
+    t0 = time.monotonic()
+    server.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and time.monotonic() - t0 < 1.0
+    for a in askers:
+        a.join()
+    for c in clients:
+        c.sock.close(0)

@@ -210,6 +210,7 @@ class DraftServer:
         if on_ready:
             on_ready()
         self._outbox = self.ctx.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDTIMEO, 1000)  # never wait on an IO thread that is gone
         self._outbox.connect(self._outbox_addr)
         log.info("draft server %s listening on %s (%s)", self.name, self.cfg.bind,
                  "serial" if self.cfg.serial else "batched")
@@ -249,8 +250,14 @@ class DraftServer:
         self.stopping.set()
 
     def _send(self, peer: bytes, msg, tensors=()) -> None:
+        """Hand a reply to the IO thread. Once stopping, the IO thread may be gone: a reply it
+        cannot take is dropped (a PUSH without its peer would block the compute loop forever)."""
         stamp = struct.pack("d", time.perf_counter())
-        self._outbox.send_multipart([stamp, peer, *P.encode(msg, tensors)], copy=False)
+        flags = zmq.NOBLOCK if self.stopping.is_set() else 0
+        try:
+            self._outbox.send_multipart([stamp, peer, *P.encode(msg, tensors)], flags=flags, copy=False)
+        except zmq.Again:
+            log.warning("reply to %s dropped: the server is stopping", peer.hex()[:8])
 
     def _fail(self, peer: bytes, code: str, message: str, tag: int = 0, step: int = -1) -> None:
         self.stats.error(code)
@@ -276,12 +283,11 @@ class DraftServer:
                 drafts.append((s, req))
         if not drafts:
             return
-        if self.cfg.serial:
-            for item in drafts:
-                self._draft([item])
-        else:
-            for i in range(0, len(drafts), self.cfg.max_batch):
-                self._draft(drafts[i:i + self.cfg.max_batch])
+        size = 1 if self.cfg.serial else self.cfg.max_batch
+        for i in range(0, len(drafts), size):
+            if self.stopping.is_set():  # stop within one batch, however long the queue
+                return
+            self._draft(drafts[i:i + size])
 
     def _take(self, req: Request) -> Session | None:
         """Handle one message; return its session when it is a draft request to serve."""
