@@ -36,6 +36,7 @@ from starsd.sysmodel import Profile
 
 WARMUP_ITERATIONS = 10  # iterations per target before the window opens (default horizon)
 WINDOW_ITERATIONS = 40  # iterations per target inside the measured window (default horizon)
+WINDOW_TOTAL = 4000  # ... and at least this many in all: sampled return times are heavy-tailed (prefills)
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,10 @@ def _run_server(p: Profile, targets: int, serial: bool, window: _Window, rng: ra
 
 
 def _horizon(p: Profile, n: int, servers: int, serial: bool) -> tuple[float, float]:
-    """(warm-up, window) in ms: enough for each target to iterate ~10 then ~40 times."""
+    """(warm-up, window) in ms: enough for each target to iterate ~10 then ~40 times, and for the
+    window to hold at least WINDOW_TOTAL iterations."""
     t_gamma = sysmodel.predict(p, math.ceil(n / servers), serial).t_gamma_ms
-    return WARMUP_ITERATIONS * t_gamma, WINDOW_ITERATIONS * t_gamma
+    return WARMUP_ITERATIONS * t_gamma, max(WINDOW_ITERATIONS, math.ceil(WINDOW_TOTAL / n)) * t_gamma
 
 
 def _weighted_quantile(values: list[float], weights: list[float], q: float) -> float:
