@@ -115,6 +115,11 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     model = subprocess.run([sys.executable, "-m", "starsd.cli", "model", "--from", str(out), "--targets", "1,2,8"],
                            capture_output=True, text=True, timeout=60)
     assert model.returncode == 0 and "N_full" in model.stdout
+    again = subprocess.run([sys.executable, "-m", "starsd.cli", "bench", "scale", "--reanalyse", str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    redone = json.loads(out.read_text())
+    assert redone["points"] == result["points"] and redone["reanalysed_from"] == result["meta"]
 
 
 def test_multihost_benchmark_across_namespaces(tmp_path):

@@ -14,7 +14,7 @@ defined on: S(b), the draft server's own mean batch time by batch size over ever
 and R and tau from the single-pair point. A service sweep of the draft model in this process,
 without the targets beside it, is reported next to it (`service_sweep_ms`). Writes JSON (points,
 profile, checks) and three plots: throughput vs N with the prediction, utilisation over time,
-per-token latency CDF; `--replot JSON` redraws them.
+per-token latency CDF; `--reanalyse JSON` redoes predictions, checks and plots from a result.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default="results/scale.json")
-    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plots of a result JSON")
+    p.add_argument("--reanalyse", default=None, metavar="JSON",
+                   help="measure nothing: redo the model's and the simulator's predictions, the checks and "
+                        "the plots of a result JSON from its measured points and profile")
     add_model_args(p)
     add_dataclass_args(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(dtype="bfloat16", threads=2)
@@ -360,6 +362,16 @@ def plot(path_stem: str, result: dict) -> None:
                   "Per-token latency (single pair; one server at its N_full)")
 
 
+def reanalyse(path: str, seed: int) -> int:
+    result = json.loads(Path(path).read_text())
+    n_full = annotate(result["points"], sysmodel.Profile.from_json(result["profile"]), seed)
+    result.update(n_full=n_full, checks=checks(result["points"], n_full))
+    write_json(path, {k: v for k, v in result.items() if k != "meta"} | {"reanalysed_from": result.get("meta")})
+    plot(str(path).rsplit(".", 1)[0], result)
+    print(json.dumps(result["checks"], indent=1))
+    return 0
+
+
 def latency_cdf(its: dict, n_full: dict) -> dict[str, list[float]]:
     """Sorted per-token latencies of the single pair and of each server mode at its measured N_full."""
     chosen = {"single-pair N=1": its[("batched", 1)]}
@@ -371,9 +383,8 @@ def latency_cdf(its: dict, n_full: dict) -> dict[str, list[float]]:
 
 
 def main(args) -> int:
-    if args.replot:
-        plot(str(args.replot).rsplit(".", 1)[0], json.loads(Path(args.replot).read_text()))
-        return 0
+    if args.reanalyse:
+        return reanalyse(args.reanalyse, args.seed)
     from starsd.cli import model_configs
     from starsd.models.loading import load_model
 
