@@ -90,10 +90,7 @@ def test_network_list_parses():
 
 
 def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
-    tok = tiny.char_tokenizer()
-    target = tiny.tiny_model(1)
-    t = tiny.save(target, tok, tmp_path / "target")
-    d = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft")
+    t, d = tiny.save_pair(tmp_path)
     out = tmp_path / "scale.json"
     cmd = [sys.executable, "-m", "starsd.cli", "bench", "scale", "--target", t, "--draft", d, "--dtype", "float32",
            "--draft-quantize", "none", "--threads", "1", "--targets", "1,3", "--limit", "3", "--max-new-tokens", "24",
@@ -129,10 +126,7 @@ def test_multihost_benchmark_across_namespaces(tmp_path):
     if reason:
         pytest.skip(reason)
     before = set(netns.list_namespaces())
-    tok = tiny.char_tokenizer()
-    target = tiny.tiny_model(1)
-    t = tiny.save(target, tok, tmp_path / "target")
-    d = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft")
+    t, d = tiny.save_pair(tmp_path)
     out = tmp_path / "multihost.json"
     cmd = [sys.executable, "-m", "starsd.cli", "bench", "multihost", "--target", t, "--draft", d, "--dtype", "float32",
            "--draft-quantize", "none", "--threads", "1", "--targets", "2", "--limit", "3", "--max-new-tokens", "24",

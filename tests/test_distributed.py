@@ -27,14 +27,9 @@ MAX_NEW = 48
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("star")
-    tok = tiny.char_tokenizer()
-    target = tiny.tiny_model(1)
+    target, draft = tiny.save_pair(root)
     other = tiny.char_tokenizer(alphabet="".join(chr(i) for i in range(126, 31, -1)) + "\n")
-    return {
-        "target": tiny.save(target, tok, root / "target"),
-        "draft": tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, root / "draft"),
-        "alien": tiny.save(tiny.tiny_model(3), other, root / "alien"),
-    }
+    return {"target": target, "draft": draft, "alien": tiny.save(tiny.tiny_model(3), other, root / "alien")}
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,8 @@ MAX_NEW = 40
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay")
-    tok = tiny.char_tokenizer()
-    target = tiny.tiny_model(1)
-    return {"target": tiny.save(target, tok, root / "target"),
-            "draft": tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, root / "draft"),
-            "cache": str(root / "cache")}
+    target, draft = tiny.save_pair(root)
+    return {"target": target, "draft": draft, "cache": str(root / "cache")}
 
 
 @pytest.fixture(scope="module")

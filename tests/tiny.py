@@ -45,3 +45,10 @@ def save(model: Qwen2ForCausalLM, tokenizer, path: Path) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def save_pair(root: Path) -> tuple[str, str]:
+    """A tiny target and a good tiny draft of it (same tokenizer) saved under root: their dirs."""
+    tok = char_tokenizer()
+    target = tiny_model(1)
+    return save(target, tok, root / "target"), save(perturbed(target, seed=7, scale=0.1), tok, root / "draft")

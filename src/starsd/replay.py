@@ -24,20 +24,14 @@ import torch
 from starsd import weights
 from starsd.config import ModelConfig, SamplingConfig
 from starsd.prompts import Prompt
+from starsd.sysmodel import interpolate
 from starsd.tree import DraftTree, depths
 from starsd.verify import Verdict
 
 
 def _interpolate(points: dict[int, tuple[float, ...]], x: float) -> float:
-    """Mean of the samples at x: linear between measured xs, extended by the last slope."""
-    pts = sorted((k, statistics.fmean(v)) for k, v in points.items())
-    if len(pts) == 1 or x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, m0), (x1, m1) in zip(pts, pts[1:]):
-        if x <= x1:
-            return m0 + (m1 - m0) * (x - x0) / (x1 - x0)
-    (x0, m0), (x1, m1) = pts[-2:]
-    return max(m1, m1 + (m1 - m0) * (x - x1) / (x1 - x0))
+    """Mean of the samples at x, interpolated between the measured xs."""
+    return interpolate({k: statistics.fmean(v) for k, v in points.items()}, x)
 
 
 @dataclass(frozen=True)

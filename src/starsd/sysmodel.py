@@ -30,6 +30,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+def interpolate(points: dict[int, float], x: float) -> float:
+    """y at x: linear between the measured points, flat before the first, extended by the last
+    slope after the last (never below the last value)."""
+    pts = sorted(points.items())
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2:]
+    return max(y1, y1 + (y1 - y0) * (x - x1) / (x1 - x0))
+
+
 @dataclass(frozen=True)
 class Profile:
     """The measured parameters of one star (times in ms)."""
@@ -61,16 +74,10 @@ class Profile:
 
     def service(self, b: float) -> float:
         """S(b), ms: piecewise-linear in the measured points, extended by the last slope."""
-        pts = sorted(self.service_ms.items())
-        if len(pts) == 1:  # batching never measured: assume it gains nothing
-            return pts[0][1] * max(1.0, b / pts[0][0])
-        if b <= pts[0][0]:
-            return pts[0][1]
-        for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
-            if b <= b1:
-                return s0 + (s1 - s0) * (b - b0) / (b1 - b0)
-        (b0, s0), (b1, s1) = pts[-2:]
-        return max(s1, s1 + (s1 - s0) * (b - b1) / (b1 - b0))
+        if len(self.service_ms) == 1:  # batching never measured: assume it gains nothing
+            (b0, s0), = self.service_ms.items()
+            return s0 * max(1.0, b / b0)
+        return interpolate(self.service_ms, b)
 
     def to_json(self) -> dict:
         d = asdict(self)
