@@ -143,7 +143,6 @@ def cmd_replay_targets(args) -> int:
     from starsd.replay_host import Host
 
     torch.set_num_threads(1)  # replay targets only sleep; leave the cores to the draft server
-
     host = Host(args.connect, Recording.load(args.recording), LatencyProfile.load(args.latency), args.targets,
                 args.max_new_tokens, from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,
                 args.duration_s, args.seed, args.timeout)
@@ -237,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay-targets", help="N replay targets in one process (remote targets emulated; greedy)")
     p.add_argument("--connect", required=True, help="the draft server's address")
     p.add_argument("--recording", required=True, help="the real target's recorded continuations (JSON)")
-    p.add_argument("--latency", required=True, help="verify latency profile (JSON: verify_ms by scored width)")
+    p.add_argument("--latency", required=True, help="latency profile (JSON: verify_ms by tokens scored, prefill_ms by prompt length)")
     p.add_argument("--targets", type=int, default=1, help="replay targets N, one thread and session each")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--duration-s", type=float, default=0.0,

@@ -247,6 +247,7 @@ def derived(base: dict, mode: str, ns: list[int]) -> list[dict]:
     for n in ns:
         pt = {k: v for k, v in base.items() if k != "utilization_over_time"}
         pt.update(mode=mode, n=n, system_tokens_per_s=base["system_tokens_per_s"] * n, derived_from_n=1)
+        pt.setdefault("draft_utilization", None)  # target-only decoding has no draft server
         out.append(pt)
     return out
 
