@@ -225,10 +225,10 @@ def server_args(args, serial: bool) -> list[str]:
     return out + (["--serial"] if serial else [])
 
 
-def run_server_mode(runner: Runner, args, ns: list[int], serial: bool, host: str = "127.0.0.1",
-                    prefix: list[str] = ()) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
+def run_server_mode(runner: Runner, args, ns: list[int], serial: bool
+                    ) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
     mode = "serial" if serial else "batched"
-    star = start_server(server_args(args, serial), host=host, prefix=prefix)
+    star = start_server(server_args(args, serial))
     points, its = [], {}
     try:
         for n in ns:
@@ -267,13 +267,6 @@ def build_profile(points: list[dict], alone: list[metrics.Iteration], target_onl
         max_batch=max_batch,
         return_samples_ms=tuple(round(it.ms - it.queue_ms - it.service_ms, 3) for it in drafted[:2000]),
         tokens_samples=tuple(it.tokens for it in drafted[:2000]))
-
-
-def observed_service(points: list[dict]) -> dict[str, float]:
-    """The draft server's own mean batch time by mean batch size, per point: the model's S(b) as
-    the server experienced it, to compare with the profile's."""
-    return {f"{p['mode']} N={p['n']}": {"mean_batch": p["mean_batch"], "service_ms": p["service_ms"]}
-            for p in points if p["mode"] in ("serial", "batched")}
 
 
 def annotate(points: list[dict], profile: sysmodel.Profile, seed: int) -> dict:
@@ -418,7 +411,7 @@ def main(args) -> int:
                    "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": profile.to_json(), "service_sweep_ms": service,
-        "service_observed_ms": observed_service(points), "n_full": n_full,
+        "n_full": n_full,
         "checks": checks(points, n_full), "points": points,
     }
     result["latency_cdf_ms"] = latency_cdf(its, n_full)
