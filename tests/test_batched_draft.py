@@ -7,7 +7,7 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models.drafter import DraftJob, Drafter
-from starsd.verify import make_generator
+from starsd.spec.verify import make_generator
 
 GREEDY = SamplingConfig()
 
@@ -48,13 +48,13 @@ def test_batch_of_sampled_chains_is_seeded(tiny_drafters):
 
     def run():
         seqs = [drafter.start([5, 6, 7]), drafter.start([9] * 20)]
-        jobs = [DraftJob(q, [], cfg, s, make_generator(10 + i)) for i, q in enumerate(seqs)]
+        jobs = [DraftJob(q, [], cfg, s, make_generator(10 + i, "cpu")) for i, q in enumerate(seqs)]
         first = drafter.propose_batch(jobs)
         jobs = [DraftJob(q, [1, 2], cfg, s, j.generator) for q, j in zip(seqs, jobs)]
         return first + drafter.propose_batch(jobs)
 
     a, b = run(), run()
     assert all(torch.equal(x.tokens, y.tokens) and torch.equal(x.q, y.q) for x, y in zip(a, b))
-    solo = drafter.propose(drafter.start([5, 6, 7]), [], cfg, s, make_generator(10))
+    solo = drafter.propose(drafter.start([5, 6, 7]), [], cfg, s, make_generator(10, "cpu"))
     assert torch.equal(solo.tokens, a[0].tokens)
     torch.testing.assert_close(solo.q, a[0].q)

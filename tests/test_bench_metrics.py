@@ -49,13 +49,21 @@ def test_busy_over_time_bins():
     assert metrics.busy_over_time([(0.0, 0.5, 1), (1.25, 2.0, 3)], 0.0, 2.0) == [0.5, 0.75]
 
 
-def test_draft_flags_round_trip_through_the_cli():
-    from starsd.cli import build_parser, from_args
+def test_settings_round_trip_through_the_cli():
+    """to_flags is from_args' inverse: a process started with a config's flags holds that config."""
+    from starsd.cli import build_parser
 
-    cfg = C.DraftConfig(depth=6, top_k=1, sample=True, min_path_prob=0.1)
-    args = build_parser().parse_args(["replay-targets", "--connect", "x", "--recording", "r", "--latency", "l",
-                                      *scale.draft_flags(cfg)])
-    assert from_args(C.DraftConfig, args, prefix="draft-") == cfg
+    draft = C.DraftConfig(depth=6, top_k=1, sample=True, min_path_prob=0.1)
+    argv = ["replay-targets", "--connect", "x", "--recording", "r", "--latency", "l", *C.to_flags(draft, prefix="draft-")]
+    assert C.from_args(C.DraftConfig, build_parser(argv).parse_args(argv), prefix="draft-") == draft
+    pair = C.PairConfig(draft="d", draft_device="cpu", dtype="float32", draft_quantize="none", threads=3)
+    server = C.ServerConfig(bind="tcp://127.0.0.1:1", serial=True, max_batch=5, session_timeout_s=2.5)
+    from starsd.star.launch import server_command
+
+    argv = server_command(pair, server)
+    args = build_parser(argv).parse_args(argv)
+    assert C.from_args(C.ServerConfig, args) == server
+    assert C.from_args(C.PairConfig, args) == pair
 
 
 def test_derived_points_scale_one_target():
@@ -120,7 +128,7 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
 
 
 def test_multihost_benchmark_across_namespaces(tmp_path):
-    from starsd import netns
+    from starsd.emulate import netns
 
     reason = netns.available()
     if reason:
@@ -137,8 +145,9 @@ def test_multihost_benchmark_across_namespaces(tmp_path):
     points = json.loads(out.read_text())["points"]
     assert [(p["rtt_ms"], p["rate_mbit"]) for p in points] == [(0.0, None), (4.0, 10.0)]
     fast, slow = points
-    assert slow["ping_rtt_ms"] > fast["ping_rtt_ms"] + 3  # the proxy's delay is on the path
-    assert slow["network_ms"] > fast["network_ms"] + 3
+    # The proxy holds every message 2 ms each way: a floor under the slow path's round trips, however
+    # fast or loaded the machine (the fast path has no such floor, so it is not compared).
+    assert slow["ping_rtt_ms"] >= 4 and slow["network_ms"] >= 4 - slow["serialisation_ms"]
     assert all(p["serialisation_ms"] < 1 and p["system_tokens_per_s"] > 0 for p in points)
     assert set(netns.list_namespaces()) == before  # the benchmark removed its namespaces
 

@@ -11,12 +11,12 @@ import torch
 import zmq
 
 import tiny
-from starsd import protocol as P
-from starsd.colocated import Pair
-from starsd.config import DraftConfig, ModelConfig, SamplingConfig
-from starsd.draft_client import DraftClient, DraftServerError
-from starsd.generate import speculative, target_only
-from starsd.launch import run_targets, spawn, start_server
+from starsd.star import protocol as P
+from starsd.models.pair import Pair
+from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
+from starsd.star.client import DraftClient, DraftServerError
+from starsd.spec.decode import speculative, target_only
+from starsd.star.launch import run_targets, spawn, start_server
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.prompts import humaneval
 
@@ -34,8 +34,8 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def star(dirs):
-    s = start_server(["--draft", dirs["draft"], "--dtype", "float32", "--threads", "1", "--session-timeout-s", "5",
-                      "--draft-quantize", "none"])  # the same draft as the in-process reference below
+    s = start_server(PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none"),
+                     ServerConfig(session_timeout_s=5))  # the same draft as the in-process reference below
     yield s
     s.close()
 
@@ -153,11 +153,11 @@ def test_malformed_messages_get_errors_and_harm_no_one(star, local):
     fp = vocab_fingerprint(local.tokenizer, logits_width(local.target.model))
     good = DraftClient(star.address, fp, "good", timeout_s=10)
     good.hello()
-    settings = P.DraftSettings(3, 1, 0, 0.0, False, 0.0, 0, 1.0, 0)
-    first, _ = good.draft([5, 6, 7], 10, settings)
+    settings = (DraftConfig(depth=3, min_path_prob=0.0), SamplingConfig())
+    first, _ = good.draft([5, 6, 7], 10, *settings)
     sock = raw_socket(star)
     one = torch.tensor([1], dtype=torch.int32)
-    bad_token = P.encode(P.DraftRequest(good.tag, 0, True, settings, 10, P.specs(one)), (one,))
+    bad_token = P.encode(P.DraftRequest(good.tag, 0, True, *settings, 10, P.specs(one)), (one,))
     cases = {
         "unknown_type": [b"\xff"],
         "bad_header": [bytes([P.MsgType.DRAFT_REQUEST]) + b"\x93garbage"],
@@ -168,11 +168,11 @@ def test_malformed_messages_get_errors_and_harm_no_one(star, local):
     for code, frames in cases.items():
         reply = ask(sock, frames)
         assert isinstance(reply, P.Error) and reply.code == code, (code, reply)
-    second, tensors = good.draft([8], 9, None)  # the good session is untouched
+    second, tensors = good.draft([8], 9)  # the good session is untouched
     assert second.step == first.step + 1 and tensors[0].shape[0] >= 1
     with pytest.raises(DraftServerError, match="bad_step"):
         good.step = 7
-        good.draft([1], 5, None)
+        good.draft([1], 5)
     good.close()
     sock.close()
     time.sleep(0.3)  # the server answers stats from a copy up to 0.2 s old
@@ -202,17 +202,23 @@ def alive(pid: int) -> bool:
 
 
 def test_launch_ctrl_c_leaves_no_orphans(dirs):
+    """The signal comes at a known point: once the launcher says its targets are decoding, and they
+    cannot be done (--ignore-eos, 4,000 tokens each). It used to come after a fixed sleep, and a fast
+    machine had finished the whole launch by then (exit code 0, not 130)."""
     launcher = subprocess.Popen([*spawn_cmd(), "launch", "--targets", "2", "--target", dirs["target"], "--draft",
-                                 dirs["draft"], "--dtype", "float32", "--limit", "8", "--max-new-tokens", "2000"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(descendants(launcher.pid)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
+                                 dirs["draft"], "--dtype", "float32", "--limit", "8", "--max-new-tokens", "4000",
+                                 "--", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in launcher.stderr:
+        if "targets released" in line:
+            break
+    else:
+        pytest.fail(f"the launcher exited ({launcher.wait()}) before releasing its targets")
     children = descendants(launcher.pid)
     assert len(children) >= 3, "the launcher did not start a server and two targets"
-    time.sleep(3)
     launcher.send_signal(signal.SIGINT)
     launcher.wait(timeout=30)
-    time.sleep(0.5)
     assert launcher.returncode == 130
+    deadline = time.monotonic() + 10
+    while [c for c in children if alive(c)] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not [c for c in children if alive(c)], "processes left behind"

@@ -6,13 +6,15 @@ import time
 import pytest
 import torch
 
-from starsd import protocol as P
-from starsd.draft_client import DraftClient, DraftServerError
-from starsd.draft_server import DraftServer, ServerConfig
-from starsd.launch import free_port
+from starsd.config import DraftConfig, SamplingConfig, ServerConfig
+from starsd.star import protocol as P
+from starsd.star.client import DraftClient, DraftServerError
+from starsd.star.launch import free_port
+from starsd.star.server import DraftServer
 
 FP = "f" * 64
-CHAIN = P.DraftSettings(3, 1, 0, 0.0, False, 0.0, 0, 1.0, 0)
+GREEDY = SamplingConfig()
+CHAIN = (DraftConfig(depth=3, min_path_prob=0.0), GREEDY)
 
 
 @pytest.fixture
@@ -54,7 +56,7 @@ def test_sessions_are_bounded(make_server):
 def test_silent_session_times_out(make_server):
     server, address = make_server(session_timeout_s=0.5)
     a = client(address)
-    a.draft([1, 2, 3], 5, CHAIN)
+    a.draft([1, 2, 3], 5, *CHAIN)
     time.sleep(2.0)
     assert a.tag not in server.sessions
     with pytest.raises(DraftServerError, match="unknown_session"):
@@ -67,8 +69,8 @@ def test_request_before_reset_and_bad_tokens_are_refused(make_server):
     with pytest.raises(DraftServerError, match="reset_required"):
         a.draft([1], 5, None)
     with pytest.raises(DraftServerError, match="bad_tokens"):
-        a.draft([1, 500], 5, CHAIN)
-    reply, tensors = a.draft([1, 2], 5, CHAIN)
+        a.draft([1, 500], 5, *CHAIN)
+    reply, tensors = a.draft([1, 2], 5, *CHAIN)
     assert tensors[0].shape[0] == 3 and reply.batch_size == 1
 
 
@@ -79,7 +81,7 @@ def test_serial_mode_never_batches(make_server):
 
     def work(c, seed):
         try:
-            c.draft([seed, seed + 1], 50, CHAIN)
+            c.draft([seed, seed + 1], 50, *CHAIN)
             for t in range(10):
                 c.draft([(seed + t) % 100 + 1], 50, None)
         except Exception as e:  # surfaced below
@@ -101,11 +103,11 @@ def test_two_requests_of_one_session_in_flight_are_served_in_order(make_server):
     server, address = make_server()
     ref, eager = client(address), client(address)
     steps = [[5, 6, 7], [8], [9, 10]]
-    want = [ref.draft(steps[0], 50, CHAIN)[1][0].tolist()] + [ref.draft(t, 50, None)[1][0].tolist() for t in steps[1:]]
-    eager.draft(steps[0], 50, CHAIN)
+    want = [ref.draft(steps[0], 50, *CHAIN)[1][0].tolist()] + [ref.draft(t, 50, None)[1][0].tolist() for t in steps[1:]]
+    eager.draft(steps[0], 50, *CHAIN)
     for t in steps[1:]:  # both sent before either reply is read
         tok = torch.tensor(t, dtype=torch.int32)
-        eager._send(P.DraftRequest(eager.tag, eager.step, False, None, 50, P.specs(tok)), (tok,))
+        eager._send(P.DraftRequest(eager.tag, eager.step, False, None, None, 50, P.specs(tok)), (tok,))
         eager.step += 1
     got = [eager._receive(P.DraftReply)[1][0].tolist() for _ in steps[1:]]
     assert got == want[1:]
@@ -133,7 +135,7 @@ def test_stop_is_prompt_however_long_the_queue(tiny_drafters):
 
     def ask(c):
         try:
-            c.draft([1, 2, 3], 5, CHAIN)
+            c.draft([1, 2, 3], 5, *CHAIN)
         except DraftServerError:
             pass
 
@@ -149,3 +151,85 @@ def test_stop_is_prompt_however_long_the_queue(tiny_drafters):
         a.join()
     for c in clients:
         c.sock.close(0)
+
+
+class Gated:
+    """The tiny draft model, behind a gate the test can close: a closed gate holds the compute loop
+    inside its next batch until the test opens it (a draft server that is busy, on purpose)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.device = inner.device
+        self.closed = threading.Event()
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def start(self, prompt_ids):
+        return self.inner.start(prompt_ids)
+
+    def propose_batch(self, jobs):
+        if self.closed.is_set():
+            self.entered.set()
+            self.opened.wait(10)
+        return self.inner.propose_batch(jobs)
+
+
+def test_a_request_refused_as_busy_costs_one_draft_not_the_session(tiny_target, tiny_drafters):
+    """A `busy` refusal is not taken by the server. The client used to advance its step anyway, so
+    every later request of the session was refused as bad_step and the generation failed. Now the
+    target decodes that step without a draft, sends its tokens with the next request, and the
+    output is still target-only greedy decoding."""
+    from starsd.spec.decode import speculative, target_only
+    from starsd.star.client import RemoteDrafter
+
+    gated = Gated(tiny_drafters["good"])
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = DraftServer(gated, FP, 128, ServerConfig(bind=address, queue_limit=1))
+    thread = server.start()
+    blocker, filler, me = (client(address) for _ in range(3))
+    for c in (blocker, filler):
+        c.draft([1, 2, 3], 5, *CHAIN)
+    background = []
+
+    def fill_the_server():
+        """The blocker's request holds the compute loop; the filler's fills Q_in (limit 1)."""
+        gated.closed.set()
+        background.append(threading.Thread(target=blocker.draft, args=([4], 5)))
+        background[-1].start()
+        assert gated.entered.wait(10)
+        background.append(threading.Thread(target=filler.draft, args=([4], 5)))
+        background[-1].start()
+        deadline = time.monotonic() + 10
+        while server.q_in.qsize() < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def release():
+        gated.closed.clear()
+        gated.opened.set()
+        for t in background:
+            t.join(10)
+
+    class Target:  # the tiny target, filling the server after its 2nd verify and releasing it after its 3rd
+        device = tiny_target.device
+        start = tiny_target.start
+        commit = tiny_target.commit
+        calls = 0
+
+        def score(self, seq, tree):
+            Target.calls += 1
+            if Target.calls == 2:
+                fill_the_server()
+            if Target.calls == 3:
+                release()
+            return tiny_target.score(seq, tree)
+
+    drafter = RemoteDrafter(me)
+    prompt = [9, 8, 7]
+    got = speculative(Target(), drafter, prompt, 40, CHAIN[0], GREEDY)
+    assert got.token_ids == target_only(tiny_target, prompt, 40, GREEDY).token_ids
+    assert drafter.timing.refused == 1 and got.accepted[2] == 0  # the 3rd step went without a draft
+    assert len(drafter.timing.wall) == got.num_steps - 1  # every other step had a draft, in step
+    for c in (blocker, filler, me):
+        c.close()
+    server.stop()
+    thread.join(timeout=5)

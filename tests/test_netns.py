@@ -20,8 +20,8 @@ from contextlib import contextmanager
 import pytest
 import zmq
 
-from starsd import netns
-from starsd.delay_proxy import DelayProxy
+from starsd.emulate import netns
+from starsd.emulate.delay_proxy import DelayProxy
 
 LOCAL = "127.0.0.1"
 
@@ -263,7 +263,7 @@ def test_proxy_stop_closes_connections_and_joins_its_thread(tcp_upstream):
 
 
 def test_proxy_command_line(echo_port):
-    argv = [sys.executable, "-m", "starsd.delay_proxy", "--listen", f"{LOCAL}:0",
+    argv = [sys.executable, "-m", "starsd.emulate.delay_proxy", "--listen", f"{LOCAL}:0",
             "--upstream", f"{LOCAL}:{echo_port}", "--delay-ms", "1"]
     with child(argv) as proc:
         host, _, port = json.loads(read_line(proc))["ready"].rpartition(":")
@@ -360,7 +360,7 @@ def test_delay_proxy_in_the_target_namespace():
     with netns.Link() as link, echo_server_in(link) as endpoint:
         upstream = endpoint.removeprefix("tcp://")
         target = link.exec_argv(link.target_ns)
-        proxy_argv = [*target, sys.executable, "-m", "starsd.delay_proxy",
+        proxy_argv = [*target, sys.executable, "-m", "starsd.emulate.delay_proxy",
                       "--listen", f"{LOCAL}:0", "--upstream", upstream, "--delay-ms", "1"]
         with child(proxy_argv) as proxy:
             listen = json.loads(read_line(proxy))["ready"]

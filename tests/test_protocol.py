@@ -1,12 +1,16 @@
 """The wire format alone: round trips and validation, no sockets."""
 
+import dataclasses
+
 import msgspec
 import pytest
 import torch
 
-from starsd import protocol as P
+from starsd.config import MAX_DRAFT_NODES, DraftConfig, SamplingConfig
+from starsd.star import protocol as P
 
-SETTINGS = P.DraftSettings(4, 1, 0, 0.3, False, 0.0, 0, 1.0, 0)
+DRAFT = DraftConfig(depth=4, min_path_prob=0.3)
+SAMPLING = SamplingConfig()
 
 
 def roundtrip(msg, tensors=()):
@@ -16,8 +20,8 @@ def roundtrip(msg, tensors=()):
 def test_request_and_reply_round_trip_with_raw_tensors():
     tokens = torch.tensor([1, 2, 3], dtype=torch.int32)
     hidden = torch.randn(3, 8, dtype=torch.bfloat16)
-    msg, (t, h) = roundtrip(P.DraftRequest(5, 0, True, SETTINGS, 9, P.specs(tokens, hidden)), (tokens, hidden))
-    assert msg.settings == SETTINGS and torch.equal(t, tokens) and torch.equal(h, hidden)
+    msg, (t, h) = roundtrip(P.DraftRequest(5, 0, True, DRAFT, SAMPLING, 9, P.specs(tokens, hidden)), (tokens, hidden))
+    assert msg.draft == DRAFT and msg.sampling == SAMPLING and torch.equal(t, tokens) and torch.equal(h, hidden)
     q = torch.rand(2, 11)
     tree = (torch.tensor([7, 8], dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32), q)
     reply, (tok, par, q2) = roundtrip(P.DraftReply(5, 0, 0.1, 2.0, 3, P.specs(*tree)), tree)
@@ -38,7 +42,7 @@ def bad(frames, code):
 
 def test_malformed_frames_are_rejected_with_a_code():
     tokens = torch.tensor([1, 2], dtype=torch.int32)
-    req = P.encode(P.DraftRequest(1, 0, False, None, 5, P.specs(tokens)), (tokens,))
+    req = P.encode(P.DraftRequest(1, 0, False, None, None, 5, P.specs(tokens)), (tokens,))
     bad([], "empty")
     bad([b""], "empty")
     bad([b"\x63" + req[0][1:]], "unknown_type")
@@ -49,40 +53,66 @@ def test_malformed_frames_are_rejected_with_a_code():
     bad([req[0], bytes(req[1]), b"extra"], "bad_frames")
 
 
+def with_settings(draft: dict, sampling: dict) -> list[bytes]:
+    """A reset request whose settings are given as raw maps (no DraftConfig could hold bad values)."""
+    tokens = torch.zeros(2, dtype=torch.int32)
+    header = [1, 0, True, draft, sampling, 5, [["int32", [2]]]]
+    return [bytes([P.MsgType.DRAFT_REQUEST]) + msgspec.msgpack.encode(header), bytes(memoryview(tokens.numpy()))]
+
+
+def test_settings_travel_by_name():
+    draft = dataclasses.asdict(DRAFT)
+    msg, _ = P.decode(with_settings({k: draft[k] for k in reversed(draft)}, {"seed": 7}))  # any order
+    assert msg.draft == DRAFT and msg.sampling == SamplingConfig(seed=7)  # missing names take defaults
+
+
 def test_payload_rules_are_enforced():
     def request(tokens, **kw):
-        fields = dict(tag=1, step=0, reset=False, settings=None, budget=5) | kw
+        fields = dict(tag=1, step=0, reset=False, draft=None, sampling=None, budget=5) | kw
         return [bytes(f) for f in P.encode(P.DraftRequest(**fields, tensors=P.specs(tokens)), (tokens,))]
 
     bad(request(torch.zeros(0, dtype=torch.int32)), "bad_request")
     bad(request(torch.zeros(2, dtype=torch.float32)), "bad_request")
     bad(request(torch.zeros(2, dtype=torch.int32), reset=True), "bad_request")  # reset without settings
+    bad(request(torch.zeros(2, dtype=torch.int32), reset=True, draft=DRAFT), "bad_request")  # ... or half of them
     bad(request(torch.zeros(2, dtype=torch.int32), budget=0), "bad_request")
     too_big = torch.zeros(P.MAX_TOKENS_PER_REQUEST + 1, dtype=torch.int32)
     bad(request(too_big), "bad_request")
-    for wrong in (dict(depth=0), dict(depth=P.MAX_DRAFT_DEPTH + 1), dict(top_k=0), dict(sample=True, top_k=2),
-                  dict(top_p=0.0), dict(temperature=-1.0), dict(min_path_prob=1.0)):
-        s = msgspec.structs.replace(SETTINGS, **wrong)
-        bad(request(torch.zeros(2, dtype=torch.int32), reset=True, settings=s), "bad_settings")
+    draft, sampling = dataclasses.asdict(DRAFT), dataclasses.asdict(SAMPLING)
+    for wrong in (dict(depth=0), dict(depth=65), dict(top_k=0), dict(sample=True, top_k=2), dict(min_path_prob=1.0),
+                  dict(depth="4")):
+        bad(with_settings(draft | wrong, sampling), "bad_settings")
+    for wrong in (dict(top_p=0.0), dict(temperature=-1.0)):
+        bad(with_settings(draft, sampling | wrong), "bad_settings")
+
+
+def test_the_advertised_tree_cap_holds():
+    """total_tokens 0 keeps depth * top_k nodes: 64 x 16 = 1,024 passed validation while Welcome
+    advertised 256. No draft beyond the cap can be built, locally or off the wire."""
+    with pytest.raises(ValueError, match=f"at most {MAX_DRAFT_NODES} nodes"):
+        DraftConfig(depth=64, top_k=16)
+    assert DraftConfig(depth=64, top_k=16, total_tokens=MAX_DRAFT_NODES).max_nodes == MAX_DRAFT_NODES
+    bad(with_settings(dataclasses.asdict(DRAFT) | dict(depth=64, top_k=16, total_tokens=0),
+                      dataclasses.asdict(SAMPLING)), "bad_settings")
+    bad(with_settings(dataclasses.asdict(DRAFT) | dict(total_tokens=MAX_DRAFT_NODES + 1),
+                      dataclasses.asdict(SAMPLING)), "bad_settings")
 
 
 def test_shape_must_match_frame_size():
     t = torch.zeros(4, dtype=torch.int32)
-    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int32", (5,)),)))[0]
+    head = P.encode(P.DraftRequest(1, 0, False, None, None, 5, (P.TensorSpec("int32", (5,)),)))[0]
     bad([head, bytes(memoryview(t.numpy()))], "bad_tensor")
-    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int64", (4,)),)))[0]
+    head = P.encode(P.DraftRequest(1, 0, False, None, None, 5, (P.TensorSpec("int64", (4,)),)))[0]
     bad([head, b"\x00" * 32], "bad_tensor")
 
 
 def test_hostile_values_are_refused_not_crashed_on():
     """Shapes whose element count overflows int64, non-finite floats and out-of-range seeds."""
-    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int32", (1 << 62, 4)),)))[0]
+    head = P.encode(P.DraftRequest(1, 0, False, None, None, 5, (P.TensorSpec("int32", (1 << 62, 4)),)))[0]
     bad([head, b""], "bad_tensor")
-    head = P.encode(P.DraftRequest(1, 0, False, None, 5, (P.TensorSpec("int32", (1 << 62, 0)),)))[0]
+    head = P.encode(P.DraftRequest(1, 0, False, None, None, 5, (P.TensorSpec("int32", (1 << 62, 0)),)))[0]
     bad([head, b""], "bad_tensor")
-    tokens = torch.zeros(2, dtype=torch.int32)
-    for wrong in (dict(temperature=float("nan")), dict(top_p=float("inf")), dict(min_path_prob=float("nan")),
-                  dict(seed=(1 << 64) - 1), dict(seed=-1)):
-        s = msgspec.structs.replace(SETTINGS, **wrong)
-        frames = [bytes(f) for f in P.encode(P.DraftRequest(1, 0, True, s, 5, P.specs(tokens)), (tokens,))]
-        bad(frames, "bad_settings")
+    sampling = dataclasses.asdict(SAMPLING)
+    for wrong in (dict(temperature=float("nan")), dict(top_p=float("inf")), dict(seed=(1 << 64) - 1), dict(seed=-1)):
+        bad(with_settings(dataclasses.asdict(DRAFT), sampling | wrong), "bad_settings")
+    bad(with_settings(dataclasses.asdict(DRAFT) | dict(min_path_prob=float("nan")), sampling), "bad_settings")

@@ -9,12 +9,12 @@ import time
 import pytest
 
 import tiny
-from starsd.colocated import Pair
-from starsd.config import DraftConfig, ModelConfig, SamplingConfig
-from starsd.generate import speculative
-from starsd.launch import start_server
+from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig
+from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget, measure_latency, record, recording_path
+from starsd.models.pair import Pair
 from starsd.prompts import humaneval
-from starsd.replay import LatencyProfile, Recording, ReplayTarget, measure_latency, record, recording_path
+from starsd.spec.decode import speculative
+from starsd.star.launch import start_server
 
 MAX_NEW = 40
 
@@ -115,7 +115,7 @@ def test_replay_host_against_a_real_draft_server(dirs, recording, tmp_path):
     rec_file = recording_path(ModelConfig(dirs["target"], dtype="float32"), humaneval()[:4], MAX_NEW, dirs["cache"])
     lat_file = tmp_path / "latency.json"
     lat_file.write_text(json.dumps(flat(20.0).to_json()))
-    star = start_server(["--draft", dirs["draft"], "--dtype", "float32", "--threads", "1", "--draft-quantize", "none"])
+    star = start_server(PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none"))
     try:
         base = [sys.executable, "-m", "starsd.cli", "replay-targets", "--connect", star.address, "--recording",
                 str(rec_file), "--latency", str(lat_file), "--max-new-tokens", str(MAX_NEW), "--draft-depth", "4"]
@@ -145,7 +145,7 @@ def test_replay_host_reports_a_vocabulary_mismatch(dirs, recording, tmp_path):
     bad.save(tmp_path / "bad.json")
     lat_file = tmp_path / "latency.json"
     lat_file.write_text(json.dumps(flat(1.0).to_json()))
-    star = start_server(["--draft", dirs["draft"], "--dtype", "float32", "--threads", "1", "--draft-quantize", "none"])
+    star = start_server(PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none"))
     try:
         out = subprocess.run([sys.executable, "-m", "starsd.cli", "replay-targets", "--connect", star.address,
                               "--recording", str(tmp_path / "bad.json"), "--latency", str(lat_file), "--max-new-tokens", "8"],

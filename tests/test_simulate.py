@@ -1,4 +1,4 @@
-"""Unit tests for starsd.simulate: the discrete-event star against closed forms and sysmodel."""
+"""Unit tests for starsd.theory.simulate: the discrete-event star against closed forms and sysmodel."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from starsd import sysmodel
-from starsd.simulate import SimResult, add_args, compare, main, servers_needed, simulate
-from starsd.sysmodel import Profile
+from starsd.theory import sysmodel
+from starsd.theory.simulate import SimResult, add_args, compare, main, servers_needed, simulate
+from starsd.theory.sysmodel import Profile
 
 # Serial: S(1) = 10 ms, R = 40 ms, so a lone target iterates every 50 ms and N_full = 5.
 SERIAL = Profile(service_ms={1: 10.0}, return_ms=40.0, tokens_per_iteration=2.0)

@@ -8,8 +8,8 @@ import torch
 import tiny
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.generate import speculative, target_only
-from starsd.verify import warp
+from starsd.spec.decode import speculative, target_only
+from starsd.spec.verify import warp
 
 GREEDY = SamplingConfig()
 FULL = dict(min_path_prob=0.0)  # draft the whole depth, however unlikely the path
@@ -94,7 +94,7 @@ def test_seeded_sampling_is_reproducible(tiny_target, tiny_drafters, draft):
 def _exact_two_token_distribution(target, prompt, s):
     """p(t1) and p(t2 | t1) of target-only sampling, from the target's own logits."""
     seq = target.start(prompt)
-    from starsd.tree import DraftTree
+    from starsd.spec.tree import DraftTree
 
     p1 = warp(target.score(seq, DraftTree.empty())[0], s)
     cond = {}
@@ -135,7 +135,7 @@ def test_sampled_output_follows_target_distribution(tiny_target, tiny_drafters, 
 
 
 def test_hidden_states_come_with_scores(tiny_target):
-    from starsd.tree import DraftTree
+    from starsd.spec.tree import DraftTree
 
     seq = tiny_target.start([1, 2, 3])
     logits = tiny_target.score(seq, DraftTree.chain([4, 5]), want_hidden=True)
@@ -155,3 +155,46 @@ def test_int8_quantised_draft_is_lossless(tiny_target):
         ref = target_only(tiny_target, prompt, 30, GREEDY)
         for draft in (DraftConfig(depth=4, **FULL), DraftConfig(depth=3, top_k=2, **FULL)):
             assert speculative(tiny_target, quantised, prompt, 30, draft, GREEDY).token_ids == ref.token_ids
+
+
+def test_a_failed_score_leaves_the_cache_as_it_was(tiny_target, monkeypatch):
+    """A forward pass that fails part-way used to leave the layers before the failure with extra
+    cache entries; the sequence then scored its next draft against a corrupted cache."""
+    from starsd.spec.tree import DraftTree
+
+    seq = tiny_target.start([5, 6, 7, 8])
+    lengths = [layer.keys.shape[-2] for layer in seq.cache.layers]
+    tree = DraftTree.chain([1, 2, 3])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure in the last layer")
+
+    monkeypatch.setattr(tiny_target.model.model.layers[-1], "forward", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        tiny_target.score(seq, tree)
+    monkeypatch.undo()
+    assert [layer.keys.shape[-2] for layer in seq.cache.layers] == lengths
+    assert torch.equal(tiny_target.score(seq, tree), tiny_target.score(tiny_target.start([5, 6, 7, 8]), tree))
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_runs_on_the_models_device(device):
+    """Every random generator lives on the device of the tensors it draws for (the drafter's for
+    sampled drafts, the target's for verification), and a draft's q is moved to the target's device.
+    Generators were made on the CPU, so sampling with --device cuda could not run. Here only the
+    CPU is tested unless CUDA is present."""
+    from starsd.models.drafter import Drafter
+    from starsd.models.target import TargetModel
+
+    base = tiny.tiny_model(seed=1)
+    target = TargetModel(base.to(device))
+    drafter = Drafter(tiny.perturbed(base, seed=7, scale=0.1).to(device))
+    s = SamplingConfig(temperature=0.8, top_p=0.95, seed=3)
+    for draft in (DraftConfig(depth=4, sample=True), DraftConfig(depth=3, top_k=2, total_tokens=5)):
+        runs = [speculative(target, drafter, [5, 6], 30, draft, s).token_ids for _ in range(2)]
+        assert runs[0] == runs[1] and len(runs[0]) == 30
+    assert speculative(target, drafter, [5, 6], 30, DraftConfig(depth=4), GREEDY).token_ids == \
+        target_only(target, [5, 6], 30, GREEDY).token_ids

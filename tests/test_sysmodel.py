@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from starsd import sysmodel as M
+from starsd.theory import sysmodel as M
 
 
 def serial_profile(**kw) -> M.Profile:

@@ -1,11 +1,11 @@
-"""Unit tests for starsd.tree: DraftTree, depths, ancestor_mask, children."""
+"""Unit tests for starsd.spec.tree: DraftTree, depths, ancestor_mask, children."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from starsd.tree import DraftTree, ancestor_mask, children, depths
+from starsd.spec.tree import DraftTree, ancestor_mask, children, depths
 
 
 def t(xs):

@@ -1,4 +1,4 @@
-"""Pure-tensor tests of starsd.verify: warp, greedy verification, residual, and -- the heart of it --
+"""Pure-tensor tests of starsd.spec.verify: warp, greedy verification, residual, and -- the heart of it --
 statistical losslessness of speculative sampling on chains and trees.
 
 Losslessness setup: a small-vocabulary *Markov* target. The target's next-token distribution after
@@ -20,10 +20,10 @@ import pytest
 import torch
 from scipy import stats
 
-from starsd import verify as V_
+from starsd.spec import verify as V_
 from starsd.config import SamplingConfig
-from starsd.tree import DraftTree
-from starsd.verify import (Verdict, make_generator, next_token, residual, verify, verify_greedy,
+from starsd.spec.tree import DraftTree
+from starsd.spec.verify import (Verdict, make_generator, next_token, residual, verify, verify_greedy,
                            verify_stochastic, warp)
 
 T1 = SamplingConfig(temperature=1.0)
@@ -39,7 +39,7 @@ def t(xs):
 # =============================================================================================
 
 def test_warp_greedy_is_one_hot_argmax():
-    logits = torch.randn(3, 5, 11, generator=make_generator(0))
+    logits = torch.randn(3, 5, 11, generator=make_generator(0, "cpu"))
     probs = warp(logits, GREEDY)
     assert probs.shape == logits.shape and probs.dtype == torch.float32
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 11).float())
@@ -53,7 +53,7 @@ def test_warp_greedy_ignores_top_k_and_top_p():
 
 @pytest.mark.parametrize("temperature", [0.25, 0.7, 1.0, 1.5, 4.0])
 def test_warp_temperature_scales_logits(temperature):
-    logits = torch.randn(4, 9, generator=make_generator(1)) * 3
+    logits = torch.randn(4, 9, generator=make_generator(1, "cpu")) * 3
     probs = warp(logits, SamplingConfig(temperature=temperature))
     torch.testing.assert_close(probs, (logits / temperature).softmax(-1))
     torch.testing.assert_close(probs.sum(-1), torch.ones(4))
@@ -61,7 +61,7 @@ def test_warp_temperature_scales_logits(temperature):
 
 def test_warp_temperature_orders_entropy():
     """Lower temperature sharpens, higher flattens."""
-    logits = torch.randn(16, generator=make_generator(2)) * 2
+    logits = torch.randn(16, generator=make_generator(2, "cpu")) * 2
 
     def entropy(p):
         return float(-(p * p.clamp_min(1e-30).log()).sum())
@@ -71,7 +71,7 @@ def test_warp_temperature_orders_entropy():
 
 
 def test_warp_accepts_half_precision_logits():
-    logits = torch.randn(2, 7, generator=make_generator(3)).to(torch.bfloat16)
+    logits = torch.randn(2, 7, generator=make_generator(3, "cpu")).to(torch.bfloat16)
     probs = warp(logits, T1)
     assert probs.dtype == torch.float32
     torch.testing.assert_close(probs, logits.float().softmax(-1))
@@ -80,7 +80,7 @@ def test_warp_accepts_half_precision_logits():
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 9])
 def test_warp_top_k_keeps_exactly_k(k):
     """With distinct logits, exactly the k largest survive, renormalised in proportion."""
-    logits = torch.randn(6, 10, generator=make_generator(4)) * 2
+    logits = torch.randn(6, 10, generator=make_generator(4, "cpu")) * 2
     probs = warp(logits, SamplingConfig(temperature=1.0, top_k=k))
     top = logits.topk(k, -1).indices
     kept = probs > 0
@@ -92,7 +92,7 @@ def test_warp_top_k_keeps_exactly_k(k):
 
 @pytest.mark.parametrize("k", [0, 10, 50])
 def test_warp_top_k_off_when_zero_or_at_least_vocab(k):
-    logits = torch.randn(10, generator=make_generator(5))
+    logits = torch.randn(10, generator=make_generator(5, "cpu"))
     torch.testing.assert_close(warp(logits, SamplingConfig(temperature=1.0, top_k=k)), logits.softmax(-1))
 
 
@@ -178,7 +178,7 @@ def test_warp_order_is_temperature_then_top_k_then_top_p():
     SamplingConfig(temperature=1.0, top_p=1e-6),
 ])
 def test_warp_sums_to_one_and_keeps_top_token(s):
-    logits = torch.randn(8, 50, generator=make_generator(6)) * 4
+    logits = torch.randn(8, 50, generator=make_generator(6, "cpu")) * 4
     probs = warp(logits, s)
     assert probs.shape == (8, 50)
     assert (probs >= 0).all()
@@ -199,7 +199,7 @@ def test_next_token_greedy_and_sampled():
     logits = torch.tensor([0.0, 5.0, 1.0])
     assert next_token(logits, GREEDY, None) == 1
     one_hot = torch.tensor([-math.inf, -math.inf, 0.0])
-    assert next_token(one_hot, T1, make_generator(0)) == 2
+    assert next_token(one_hot, T1, make_generator(0, "cpu")) == 2
 
 
 # =============================================================================================
@@ -208,7 +208,7 @@ def test_next_token_greedy_and_sampled():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_residual_sums_to_one_and_zero_where_p_le_q(seed):
-    g = make_generator(seed)
+    g = make_generator(seed, "cpu")
     p = torch.rand(12, generator=g).softmax(-1)
     q = (torch.rand(12, generator=g) * 2).softmax(-1)
     r = residual(p, 3, q)
@@ -247,7 +247,7 @@ def test_residual_degenerate_returns_p():
 
 def rows_with_argmax(best: list[int], vocab: int = 10) -> torch.Tensor:
     """[len(best), vocab] random logits whose row i has its argmax at best[i]."""
-    logits = torch.randn(len(best), vocab, generator=make_generator(len(best)))
+    logits = torch.randn(len(best), vocab, generator=make_generator(len(best), "cpu"))
     logits[torch.arange(len(best)), t(best)] = 10.0
     return logits
 
@@ -328,7 +328,7 @@ ROOT = 0
 
 def markov_pair(seed: int, vocab: int = VOCAB, sharp: float = 1.0, noise: float = 1.0):
     """Target P [V, V] and a correlated but different draft Q [V, V] (rows are distributions)."""
-    g = make_generator(seed)
+    g = make_generator(seed, "cpu")
     base = torch.randn(vocab, vocab, generator=g) * sharp
     P = base.softmax(-1)
     Q = (base + noise * torch.randn(vocab, vocab, generator=g)).softmax(-1)
@@ -440,7 +440,7 @@ def decode_pairs(Pw, drafter, trials, seed, root=ROOT):
     Calls verify_stochastic on rows of Pw rather than verify() on logits: on the 2-core test machine
     torch's softmax of a multi-row tensor with 2 threads costs ~8 ms (OpenMP), which would make 25k
     trials take minutes. That verify() == verify_stochastic(warp(...)) is checked separately."""
-    g = make_generator(seed)
+    g = make_generator(seed, "cpu")
     out = np.empty((trials, 2), dtype=np.int64)
     accepted = 0
     for i in range(trials):
@@ -613,7 +613,7 @@ def test_lossless_check_has_power(monkeypatch):
 def acceptance_rate(tree: DraftTree, p: torch.Tensor, n: int, seed: int, draw=None) -> float:
     """Fraction of n verifications of a one-level tree that accept a draft token. `draw(g)` makes a
     fresh tree per trial (sampled drafts); otherwise `tree` is reused."""
-    g = make_generator(seed)
+    g = make_generator(seed, "cpu")
     rows = torch.cat([p[None], torch.full((8, p.shape[0]), 1 / p.shape[0])])
     hits = 0
     for _ in range(n):
@@ -649,7 +649,7 @@ def test_acceptance_rate_of_deterministic_siblings():
 
 def test_stochastic_empty_tree_samples_row_zero():
     P, _ = markov_pair(18)
-    g = make_generator(5)
+    g = make_generator(5, "cpu")
     n = 20_000
     counts = np.bincount([verify_stochastic(DraftTree.empty(), P[:1], g).tokens[0] for _ in range(n)],
                          minlength=VOCAB)
@@ -660,7 +660,7 @@ def test_stochastic_empty_tree_samples_row_zero():
 def test_stochastic_certain_acceptance_and_rejection():
     """p(x) = 1 accepts x always (and the bonus comes from the next row); p(x) = 0 never accepts it."""
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    g = make_generator(0)
+    g = make_generator(0, "cpu")
     q = torch.full((2, 3), 1 / 3)
     for tree in (DraftTree.chain([1, 2]), DraftTree.chain([1, 2], q)):
         for _ in range(50):
@@ -681,7 +681,7 @@ def test_stochastic_tree_walks_into_accepted_childs_row():
         [1.0, 0.0, 0.0],
         [1.0, 0.0, 0.0],
     ])
-    g = make_generator(0)
+    g = make_generator(0, "cpu")
     for _ in range(50):
         assert verify_stochastic(tree, p, g) == Verdict([1], [2, 1])
 
@@ -694,7 +694,7 @@ def run_verdicts(seed: int, n: int = 300):
     """Verdicts of n steps over mixed drafts (sampled trees, top-k trees, sampled chains), with the
     draft sampling and verification sharing one seeded generator."""
     P, Q = markov_pair(20)
-    g = make_generator(seed)
+    g = make_generator(seed, "cpu")
     drafts = [sampled_tree(Q, 3, 2), topk_tree(Q, 3, 2), sampled_chain(Q, 4)]
     out = []
     for i in range(n):
@@ -717,11 +717,11 @@ def test_different_seed_different_verdicts():
 def test_seeded_verify_independent_of_global_rng():
     """A seeded generator fully determines the verdicts; torch's global RNG state does not matter."""
     P, Q = markov_pair(21)
-    tree = sampled_chain(Q, 3)(0, make_generator(9))
+    tree = sampled_chain(Q, 3)(0, make_generator(9, "cpu"))
     rows = target_rows(P, 0, tree)
 
     def run():
-        g = make_generator(3)
+        g = make_generator(3, "cpu")
         return [verify_stochastic(tree, rows, g) for _ in range(200)]
 
     torch.manual_seed(0)
@@ -737,9 +737,9 @@ def test_verify_dispatches_to_stochastic_on_warped_logits(s):
     """verify(logits) == verify_stochastic(warp(logits)) draw for draw, with the same seed."""
     P, Q = markov_pair(23)
     for i in range(10):
-        tree = sampled_tree(Q, 2, 2)(i % VOCAB, make_generator(i))
+        tree = sampled_tree(Q, 2, 2)(i % VOCAB, make_generator(i, "cpu"))
         logits = target_rows(P, i % VOCAB, tree).log() * 1.7
-        g1, g2 = make_generator(i), make_generator(i)
+        g1, g2 = make_generator(i, "cpu"), make_generator(i, "cpu")
         for _ in range(3):
             assert verify(tree, logits, s, g1) == verify_stochastic(tree, warp(logits, s), g2)
 

@@ -1,88 +1,64 @@
-"""The `starsd` command. Flags for typed settings are generated from their dataclasses (config.py)."""
+"""The `starsd` command. Nothing imports this module.
+
+Flags for typed settings are generated from their dataclasses (config.py). A command's module is
+imported only when that command runs, so arithmetic commands (`model`, `simulate`) never load
+torch, transformers or ZeroMQ, and `starsd --help` is instant.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib
 import json
 import sys
 
 from starsd import config as C
-from starsd import weights
-from starsd.draft_client import DraftServerError
-from starsd.models.loading import ModelLoadError
+from starsd.errors import StarsdError
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", skip=()) -> None:
-    """One flag per field of `cls`: --{prefix}{field-name}, typed, with its default and help."""
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + prefix + f.name.replace("_", "-")
-        dest = (prefix + f.name).replace("-", "_")
-        help_ = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, dest=dest, type=kind, default=f.default, help=help_,
-                                choices=f.metadata.get("choices"))
+# ------------------------------------------------------------------------------------- commands
+def args_models(p: argparse.ArgumentParser) -> None:
+    from starsd.models import pinned
 
-
-def from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
-    values = {f.name: getattr(args, (prefix + f.name).replace("-", "_"))
-              for f in dataclasses.fields(cls) if f.name not in overrides}
-    return cls(**values, **overrides)
-
-
-QUANTIZE_HELP = ("draft weights: int8 (dynamic int8 linear layers, ~3x faster draft passes on a CPU; lossless, "
-                 "the target verifies every draft), none, or auto: int8 on a CPU, none elsewhere")
-
-
-def draft_quantize(choice: str, device: str) -> str:
-    if choice == "auto":
-        return "int8" if device.startswith("cpu") else "none"
-    return choice
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=weights.DEFAULT_TARGET, help="target model (pinned name, directory or hub id)")
-    p.add_argument("--draft", default=weights.DEFAULT_DRAFT, help="draft model (pinned name, directory or hub id)")
-    add_dataclass_args(p, C.ModelConfig, skip=("path", "quantize"))
-    p.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "int8"), help=QUANTIZE_HELP)
-    p.add_argument("--cache-dir", default=None, help=f"model cache (default: ${weights.CACHE_ENV} or ~/.cache/starsd)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-
-
-def model_configs(args) -> tuple[C.ModelConfig, C.ModelConfig]:
-    """The target is always the model as given; only the draft may be quantised."""
-    return (from_args(C.ModelConfig, args, path=args.target, quantize="none"),
-            from_args(C.ModelConfig, args, path=args.draft, quantize=draft_quantize(args.draft_quantize, args.device)))
+    p.add_argument("action", choices=("fetch", "list"))
+    p.add_argument("names", nargs="*", help=f"pinned names (default: all): {', '.join(pinned.PINNED)}")
+    p.add_argument("--cache-dir", default="", help="model cache (default: $STARSD_CACHE or ~/.cache/starsd)")
 
 
 def cmd_models(args) -> int:
+    from starsd.models import pinned
+
     if args.action == "list":
-        for name, spec in weights.PINNED.items():
-            state = "cached" if weights.is_cached(name, args.cache_dir) else "not fetched"
+        for name, spec in pinned.PINNED.items():
+            state = "cached" if pinned.is_cached(name, args.cache_dir) else "not fetched"
             print(f"{name:32s} {state:12s} {spec.description}")
         return 0
-    names = args.names or list(weights.PINNED)
-    for name in names:
-        path = weights.fetch(name, args.cache_dir, log=lambda m: print(m, file=sys.stderr))
+    for name in args.names or list(pinned.PINNED):
+        path = pinned.fetch(name, args.cache_dir, log=lambda m: print(m, file=sys.stderr))
         print(f"{name}: {path}")
     return 0
 
 
+def args_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    C.add_flags(p, C.PairConfig)
+    C.add_flags(p, C.SamplingConfig)
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
+
+
 def cmd_generate(args) -> int:
-    from starsd.colocated import Pair
+    from starsd.models.pair import Pair
     from starsd.prompts import Prompt
 
-    target_cfg, draft_cfg = model_configs(args)
-    pair = Pair.load(target_cfg, None if args.no_spec else draft_cfg, args.cache_dir, args.threads)
+    cfg = C.from_args(C.PairConfig, args)
+    pair = Pair.load(cfg.target_model(), None if args.no_spec else cfg.draft_model(), cfg.cache, cfg.threads)
     prompt = Prompt("cli", args.prompt, chat=args.chat)
-    sampling = from_args(C.SamplingConfig, args)
-    draft = from_args(C.DraftConfig, args, prefix="draft-")
-    gen = pair.generate(prompt, args.max_new_tokens, sampling, None if args.no_spec else draft)
+    draft = None if args.no_spec else C.from_args(C.DraftConfig, args, prefix="draft-")
+    gen = pair.generate(prompt, args.max_new_tokens, C.from_args(C.SamplingConfig, args), draft)
     text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -98,68 +74,129 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def args_draft_server(p: argparse.ArgumentParser) -> None:
+    C.add_flags(p, C.PairConfig, skip=("target",))
+    C.add_flags(p, C.ServerConfig)
+
+
 def cmd_draft_server(args) -> int:
     import logging
     import signal
 
     import torch
 
-    from starsd.draft_server import DraftServer, ServerConfig
     from starsd.models.drafter import Drafter
     from starsd.models.loading import load_model, load_tokenizer, logits_width, vocab_fingerprint
+    from starsd.star.server import DraftServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = from_args(C.ModelConfig, args, path=args.draft, quantize=draft_quantize(args.draft_quantize, args.device))
-    tokenizer = load_tokenizer(cfg.path, args.cache_dir)
-    model = load_model(cfg, args.cache_dir)
+    pair = C.from_args(C.PairConfig, args)
+    if pair.threads:
+        torch.set_num_threads(pair.threads)
+    cfg = pair.draft_model()
+    tokenizer = load_tokenizer(cfg.path, pair.cache)
+    model = load_model(cfg, pair.cache)
     server = DraftServer(Drafter(model), vocab_fingerprint(tokenizer, logits_width(model)), logits_width(model),
-                         from_args(ServerConfig, args), name=f"starsd-draft:{cfg.path}")
+                         C.from_args(C.ServerConfig, args), name=f"starsd-draft:{cfg.path}")
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve(on_ready=lambda: print(json.dumps({"ready": args.bind}), flush=True))
     return 0
 
 
+def args_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", required=True, help="the draft server's address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--prompt", default=None, help="one prompt (instead of a prompt set)")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
+    p.add_argument("--limit", type=int, default=0, help="use the first LIMIT prompts of the set (0: all)")
+    p.add_argument("--offset", type=int, default=0, help="first prompt of the set to take")
+    p.add_argument("--stride", type=int, default=1, help="take every stride-th prompt (shares a set among targets)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="always decode --max-new-tokens (load tests)")
+    p.add_argument("--name", default="target")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
+    p.add_argument("--wait-go", action="store_true", help="after the handshake, wait for a line on stdin")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
+    C.add_flags(p, C.PairConfig, skip=C.DRAFT_SIDE)
+    C.add_flags(p, C.SamplingConfig)
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
+
+
 def cmd_target(args) -> int:
     from starsd.prompts import Prompt, load
-    from starsd.target_worker import run
+    from starsd.star import worker
 
     if args.prompt is not None:
         prompts = [Prompt("cli", args.prompt, chat=args.chat)]
     else:
         prompts = load(args.prompts, args.limit or None)[args.offset::args.stride]
-    target_cfg = from_args(C.ModelConfig, args, path=args.target, quantize="none")
-    return run(args.connect, target_cfg, prompts, args.max_new_tokens, from_args(C.SamplingConfig, args),
-               from_args(C.DraftConfig, args, prefix="draft-"), args.name, args.json, args.no_spec,
-               args.cache_dir, args.threads, args.wait_go, args.timeout)
+    return worker.run(args.connect, C.from_args(C.PairConfig, args), prompts, args.max_new_tokens,
+                      C.from_args(C.SamplingConfig, args), C.from_args(C.DraftConfig, args, prefix="draft-"),
+                      name=args.name, as_json=args.json, no_spec=args.no_spec, ignore_eos=args.ignore_eos,
+                      wait_go=args.wait_go, timeout_s=args.timeout)
+
+
+def args_launch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--targets", type=int, default=2, help="number of target processes N")
+    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--limit", type=int, default=4, help="prompts in all, shared round-robin among the targets")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--port", type=int, default=0, help="draft server port (0: a free one)")
+    p.add_argument("--json-out", default=None, help="write the results as JSON here (and a PNG beside it)")
+    p.add_argument("target_extra", nargs=argparse.REMAINDER, help="after --: more flags for every target")
+    C.add_flags(p, C.PairConfig)
+    C.add_flags(p, C.ServerConfig, skip=("bind",))
+    p.set_defaults(threads=1)  # three or more processes share the cores
+
+
+def cmd_launch(args) -> int:
+    from starsd.star.launch import run_local_star
+
+    return run_local_star(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args), args.targets,
+                          args.prompts, args.limit, args.max_new_tokens, [a for a in args.target_extra if a != "--"],
+                          args.port, args.json_out)
+
+
+def args_replay_targets(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", required=True, help="the draft server's address")
+    p.add_argument("--recording", required=True, help="the real target's recorded continuations (JSON)")
+    p.add_argument("--latency", required=True, help="latency profile (JSON: verify_ms by tokens scored, prefill_ms by prompt length)")
+    p.add_argument("--targets", type=int, default=1, help="replay targets N, one thread and session each")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--duration-s", type=float, default=0.0,
+                   help="decode in a loop over the prompts for this long (0: each target decodes its share once)")
+    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
+    p.add_argument("--wait-go", action="store_true", help="after the handshakes, wait for a line on stdin")
+    p.add_argument("--seed", type=int, default=0, help="seeds the latency draws")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the draft server's reply")
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
 
 
 def cmd_replay_targets(args) -> int:
     import torch
 
-    from starsd.replay import LatencyProfile, Recording
-    from starsd.replay_host import Host
+    from starsd.emulate.replay import LatencyProfile, Recording
+    from starsd.emulate.replay_host import Host
 
     torch.set_num_threads(1)  # replay targets only sleep; leave the cores to the draft server
     host = Host(args.connect, Recording.load(args.recording), LatencyProfile.load(args.latency), args.targets,
-                args.max_new_tokens, from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,
+                args.max_new_tokens, C.from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,
                 args.duration_s, args.seed, args.timeout)
     return host.run(args.wait_go)
 
 
-def cmd_model(args) -> int:
-    from starsd import sysmodel
-
-    print(sysmodel.report(sysmodel.Profile.load(args.from_file), [int(n) for n in args.targets.split(",")]))
-    return 0
+def args_stats(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", required=True, help="the draft server's address")
+    p.add_argument("--ping", type=int, default=0, help="also time this many Ping round trips")
+    p.add_argument("--timeout", type=float, default=30.0)
 
 
 def cmd_stats(args) -> int:
     import statistics
 
-    from starsd.draft_client import DraftClient
+    from starsd.star.client import DraftClient
 
     client = DraftClient(args.connect, "", "stats", timeout_s=args.timeout)
     try:
@@ -173,140 +210,85 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def cmd_launch(args) -> int:
-    from starsd.launch import main as launch_main
-
-    return launch_main(args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="starsd", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("models", help="fetch or list the pinned offline model pair")
-    p.add_argument("action", choices=("fetch", "list"))
-    p.add_argument("names", nargs="*", help=f"pinned names (default: all): {', '.join(weights.PINNED)}")
-    p.add_argument("--cache-dir", default=None)
-    p.set_defaults(func=cmd_models)
-
-    p = sub.add_parser("generate", help="co-located decoding in one process")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft model)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(p)
-    add_dataclass_args(p, C.SamplingConfig)
-    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(func=cmd_generate)
-
-    from starsd.draft_server import ServerConfig
-
-    p = sub.add_parser("draft-server", help="serve one draft model to many target workers (ZeroMQ ROUTER)")
-    p.add_argument("--draft", default=weights.DEFAULT_DRAFT, help="draft model (pinned name, directory or hub id)")
-    add_dataclass_args(p, C.ModelConfig, skip=("path", "quantize"))
-    p.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "int8"), help=QUANTIZE_HELP)
-    add_dataclass_args(p, ServerConfig)
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.set_defaults(func=cmd_draft_server)
-
-    p = sub.add_parser("target", help="a target worker: verify locally, draft on a draft server")
-    p.add_argument("--connect", required=True, help="the draft server's address, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--target", default=weights.DEFAULT_TARGET, help="target model (pinned name, directory or hub id)")
-    add_dataclass_args(p, C.ModelConfig, skip=("path", "quantize"))
-    p.add_argument("--prompt", default=None, help="one prompt (instead of a prompt set)")
-    p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
-    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
-    p.add_argument("--limit", type=int, default=0, help="use the first LIMIT prompts of the set (0: all)")
-    p.add_argument("--offset", type=int, default=0, help="first prompt of the set to take")
-    p.add_argument("--stride", type=int, default=1, help="take every stride-th prompt (shares a set among targets)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--name", default="target")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
-    p.add_argument("--wait-go", action="store_true", help="after the handshake, wait for a line on stdin")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    add_dataclass_args(p, C.SamplingConfig)
-    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(func=cmd_target)
-
-    p = sub.add_parser("replay-targets", help="N replay targets in one process (remote targets emulated; greedy)")
-    p.add_argument("--connect", required=True, help="the draft server's address")
-    p.add_argument("--recording", required=True, help="the real target's recorded continuations (JSON)")
-    p.add_argument("--latency", required=True, help="latency profile (JSON: verify_ms by tokens scored, prefill_ms by prompt length)")
-    p.add_argument("--targets", type=int, default=1, help="replay targets N, one thread and session each")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--duration-s", type=float, default=0.0,
-                   help="decode in a loop over the prompts for this long (0: each target decodes its share once)")
-    p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
-    p.add_argument("--wait-go", action="store_true", help="after the handshakes, wait for a line on stdin")
-    p.add_argument("--seed", type=int, default=0, help="seeds the latency draws")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the draft server's reply")
-    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(func=cmd_replay_targets)
-
-    p = sub.add_parser("model", help="the analytical model's prediction for a measured profile")
+def args_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="from_file", required=True,
                    help="a profile JSON, or a benchmark JSON holding one (bench scale writes it)")
     p.add_argument("--targets", default="1,2,4,8,16,32,64", help="N values to predict, comma-separated")
-    p.set_defaults(func=cmd_model)
 
-    p = sub.add_parser("stats", help="print a draft server's counters (JSON): batches, utilisation, timeline")
-    p.add_argument("--connect", required=True, help="the draft server's address")
-    p.add_argument("--ping", type=int, default=0, help="also time this many Ping round trips")
-    p.add_argument("--timeout", type=float, default=30.0)
-    p.set_defaults(func=cmd_stats)
 
-    from starsd import simulate
+def cmd_model(args) -> int:
+    from starsd.theory import sysmodel
 
-    p = sub.add_parser("simulate", help="discrete-event simulation of K draft servers and N targets on a profile")
+    print(sysmodel.report(sysmodel.Profile.load(args.from_file), [int(n) for n in args.targets.split(",")]))
+    return 0
+
+
+def args_simulate(p: argparse.ArgumentParser) -> None:
+    from starsd.theory import simulate
+
     simulate.add_args(p)
-    p.set_defaults(func=simulate.main)
 
-    p = sub.add_parser("launch", help="a local star: one draft server and N targets on this machine")
-    p.add_argument("--targets", type=int, default=2, help="number of target processes N")
-    p.add_argument("--target", default=weights.DEFAULT_TARGET)
-    p.add_argument("--draft", default=weights.DEFAULT_DRAFT)
-    p.add_argument("--draft-device", default="cpu")
-    p.add_argument("--target-device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--prompts", default="humaneval")
-    p.add_argument("--limit", type=int, default=4, help="prompts in all, shared round-robin among the targets")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "int8"), help=QUANTIZE_HELP)
-    p.add_argument("--serial", action="store_true", help="the draft server drafts one request at a time")
-    p.add_argument("--port", type=int, default=0, help="draft server port (0: a free one)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--json-out", default=None, help="write the results as JSON here")
-    p.add_argument("target_extra", nargs=argparse.REMAINDER, help="after --: more flags for every target")
-    p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
+def cmd_simulate(args) -> int:
+    from starsd.theory import simulate
+
+    return simulate.main(args)
+
+
+COMMANDS = {  # name: (help, flags, run)
+    "models": ("fetch or list the pinned offline model pair", args_models, cmd_models),
+    "generate": ("co-located decoding in one process", args_generate, cmd_generate),
+    "draft-server": ("serve one draft model to many target workers (ZeroMQ ROUTER)", args_draft_server,
+                     cmd_draft_server),
+    "target": ("a target worker: verify locally, draft on a draft server", args_target, cmd_target),
+    "launch": ("a local star: one draft server and N targets on this machine", args_launch, cmd_launch),
+    "replay-targets": ("N replay targets in one process (remote targets emulated; greedy)", args_replay_targets,
+                       cmd_replay_targets),
+    "stats": ("print a draft server's counters (JSON): batches, utilisation, timeline", args_stats, cmd_stats),
+    "model": ("the analytical model's prediction for a measured profile", args_model, cmd_model),
+    "simulate": ("discrete-event simulation of K draft servers and N targets on a profile", args_simulate,
+                 cmd_simulate),
+}
+BENCHES = {  # name: (help, module with add_args and main)
+    "colocated": ("target-only vs speculative vs HF assisted, one process", "starsd.bench.colocated"),
+    "distributed": ("one target: draft server over loopback vs co-located", "starsd.bench.distributed"),
+    "scale": ("throughput, utilisation and latency vs N targets (replay targets), with baselines",
+              "starsd.bench.scale"),
+    "replay-check": ("replay targets vs real target processes at small N (emulation check)",
+                     "starsd.bench.replay_check"),
+    "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",
+                  "starsd.bench.multihost"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Every command is listed; only the one named in argv gets its flags (and imports its module)."""
+    words = [a for a in argv if not a.startswith("-")][:2]
+    parser = argparse.ArgumentParser(prog="starsd", description="One-for-many speculative decoding: one draft "
+                                     "server, many target models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_, add_args, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if words[:1] == [name]:
+            add_args(p)
+            p.set_defaults(func=run)
+    p = sub.add_parser("bench", help="benchmarks (each writes JSON and a PNG plot)")
     bench = p.add_subparsers(dest="bench", required=True)
-    from starsd.bench import colocated, distributed, multihost, replay_check, scale
-
-    for module, name, help_ in (
-        (colocated, "colocated", "target-only vs speculative vs HF assisted, one process"),
-        (distributed, "distributed", "one target: draft server over loopback vs co-located"),
-        (scale, "scale", "throughput, utilisation and latency vs N targets (replay targets), with baselines"),
-        (replay_check, "replay-check", "replay targets vs real target processes at small N (emulation check)"),
-        (multihost, "multihost", "the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)"),
-    ):
-        q = bench.add_parser(name, help=help_)
-        module.add_args(q)
-        q.set_defaults(func=module.main)
+    for name, (help_, module) in BENCHES.items():
+        q = bench.add_parser(name, help=help_, description=help_)
+        if words == ["bench", name]:
+            chosen = importlib.import_module(module)
+            chosen.add_args(q)
+            q.set_defaults(func=chosen.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, weights.WeightsError, ModelLoadError, DraftServerError) as e:  # clear: no traceback
+    except (ValueError, StarsdError) as e:  # a clear message, no traceback
         print(f"starsd: error: {e}", file=sys.stderr)
         return 2
 

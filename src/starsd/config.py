@@ -1,44 +1,96 @@
-"""Typed settings, one dataclass per concern. Each field's `help` metadata is its documentation and
-the text of the CLI flag generated from it (see `cli.add_dataclass_args`), so defaults cannot drift."""
+"""Typed settings, one frozen dataclass per concern, and the command-line flags derived from them.
+
+Each field's `help` metadata is its documentation and the text of its flag (`add_flags`), so flags
+and defaults cannot drift. Validation lives in each class's `__post_init__` and nowhere else: the
+CLI builds these classes from flags (`from_args`), other processes get them back as flags
+(`to_flags`), and the wire protocol decodes a draft request's settings straight into DraftConfig
+and SamplingConfig, by field name, through the same checks. This module imports nothing heavy.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
-from starsd.weights import DEFAULT_DRAFT, DEFAULT_TARGET
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"  # the bundled pair (models/pinned.py)
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+# The bounds of one draft. A draft server advertises MAX_DRAFT_NODES in its Welcome; a target can
+# never ask for more, because no DraftConfig beyond these bounds can be built, locally or off the wire.
+MAX_DRAFT_DEPTH = 64
+MAX_DRAFT_TOP_K = 16
+MAX_DRAFT_NODES = 256
+MAX_SEED = (1 << 63) - 2  # a draft generator is seeded with seed + 1, which must fit an int64
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def setting(default, help: str, **kw):
-    """A dataclass field with its documentation (the CLI flag's help)."""
+    """A dataclass field with its documentation (the flag's help); `choices` limits a flag's values."""
     return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Where a model comes from and how it runs."""
+    """One model as it is loaded."""
 
     path: str = setting("", "pinned name (see `starsd models list`), a local HF model directory, or a hub id")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = setting("bfloat16", "float32 (bit-exact tests) or bfloat16 (fast)", choices=("float32", "bfloat16", "float16"))
+    dtype: str = setting("bfloat16", "float32 (bit-exact tests) or bfloat16 (fast)", choices=DTYPES)
     quantize: str = setting("none", "int8: dynamic int8 weights for every linear layer (CPU only; a draft "
                             "stays lossless, since the target verifies it)", choices=("none", "int8"))
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be none or int8, not {self.quantize!r}")
         if self.quantize == "int8" and not self.device.startswith("cpu"):
             raise ValueError("int8 dynamic quantisation runs on the CPU only")
 
 
-def target_config(**kw) -> ModelConfig:
-    return ModelConfig(**{"path": DEFAULT_TARGET, **kw})
+@dataclass(frozen=True)
+class PairConfig:
+    """Which target and draft models a command loads, and how they run."""
+
+    target: str = setting(DEFAULT_TARGET, "target model: a pinned name (`starsd models list`), a local "
+                          "Hugging Face model directory, or a hub id")
+    draft: str = setting(DEFAULT_DRAFT, "draft model: a pinned name, a local model directory, or a hub id")
+    device: str = setting("cpu", "torch device of the models: cpu, cuda, cuda:1, ... (the draft's too, "
+                          "unless --draft-device)")
+    draft_device: str = setting("", "torch device of the draft model (empty: --device)")
+    dtype: str = setting("bfloat16", "float32 (bit-exact) or bfloat16 (fast)", choices=DTYPES)
+    draft_quantize: str = setting("auto", "draft weights: int8 (dynamic int8 linear layers, ~3x faster draft "
+                                  "passes on a CPU; lossless, the target verifies every draft), none, or auto: "
+                                  "int8 on a CPU, none elsewhere", choices=("auto", "none", "int8"))
+    cache_dir: str = setting("", "model cache (empty: $STARSD_CACHE or ~/.cache/starsd)")
+    threads: int = setting(0, "torch CPU threads (0: torch's default)")
+
+    def __post_init__(self):
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, not {self.threads}")
+        self.target_model()  # the models' own checks, at once
+        self.draft_model()
+
+    def target_model(self) -> ModelConfig:
+        """The target runs as given: it is never quantised."""
+        return ModelConfig(self.target, self.device, self.dtype)
+
+    def draft_model(self) -> ModelConfig:
+        device = self.draft_device or self.device
+        quantize = self.draft_quantize
+        if quantize == "auto":
+            quantize = "int8" if device.startswith("cpu") else "none"
+        return ModelConfig(self.draft, device, self.dtype, quantize)
+
+    @property
+    def cache(self) -> str | None:
+        return self.cache_dir or None
 
 
-def draft_config(**kw) -> ModelConfig:
-    return ModelConfig(**{"path": DEFAULT_DRAFT, **kw})
+DRAFT_SIDE = ("draft", "draft_device", "draft_quantize")  # PairConfig fields a target worker has no use for
 
 
 @dataclass(frozen=True)
@@ -50,20 +102,23 @@ class DraftConfig:
     best `total_tokens` nodes (always a valid tree: a child never outscores its parent).
     """
 
-    depth: int = setting(10, "draft depth d: tokens per chain, levels per tree (at most)")
-    top_k: int = setting(1, "children expanded per node; 1 drafts a chain")
-    total_tokens: int = setting(0, "tree nodes kept after re-ranking (0: depth * top_k)")
+    depth: int = setting(10, f"draft depth d: tokens per chain, levels per tree (1..{MAX_DRAFT_DEPTH})")
+    top_k: int = setting(1, f"children expanded per node (1..{MAX_DRAFT_TOP_K}); 1 drafts a chain")
+    total_tokens: int = setting(0, f"tree nodes kept after re-ranking (0: depth * top_k; at most {MAX_DRAFT_NODES})")
     sample: bool = setting(False, "chains only: sample draft tokens from the draft distribution q instead of taking its argmax")
     min_path_prob: float = setting(0.3, "stop deepening once the best frontier path's draft probability falls below this (0: draft the full depth)")
 
     def __post_init__(self):
-        if self.depth < 1:
-            raise ValueError(f"draft depth must be >= 1, not {self.depth}")
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, not {self.top_k}")
+        if not 1 <= self.depth <= MAX_DRAFT_DEPTH:
+            raise ValueError(f"draft depth must be in 1..{MAX_DRAFT_DEPTH}, not {self.depth}")
+        if not 1 <= self.top_k <= MAX_DRAFT_TOP_K:
+            raise ValueError(f"draft top_k must be in 1..{MAX_DRAFT_TOP_K}, not {self.top_k}")
         if self.total_tokens < 0:
             raise ValueError(f"total_tokens must be >= 0, not {self.total_tokens}")
-        if not 0 <= self.min_path_prob < 1:
+        if self.max_nodes > MAX_DRAFT_NODES:
+            raise ValueError(f"a draft keeps at most {MAX_DRAFT_NODES} nodes, not {self.max_nodes} "
+                             "(set total_tokens, or lower depth * top_k)")
+        if not (math.isfinite(self.min_path_prob) and 0 <= self.min_path_prob < 1):
             raise ValueError(f"min_path_prob must be in [0, 1), not {self.min_path_prob}")
         if self.sample and self.top_k != 1:
             raise ValueError("sampled drafts are chains: use top_k = 1 with sample")
@@ -87,17 +142,82 @@ class SamplingConfig:
     seed: int = setting(0, "seed of this request's random generator; a seeded run is reproducible")
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, not {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], not {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def fields_of(cls) -> list[dataclasses.Field]:
-    return list(dataclasses.fields(cls))
+@dataclass(frozen=True)
+class ServerConfig:
+    """A draft server: where it listens and what it holds at most."""
+
+    bind: str = setting("tcp://127.0.0.1:5555", "ZeroMQ address to bind the ROUTER socket to")
+    max_sessions: int = setting(64, "sessions held at once; a hello beyond it is refused")
+    session_timeout_s: float = setting(120.0, "free a session whose target has been silent this long")
+    serial: bool = setting(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
+    max_batch: int = setting(32, "sessions drafted together in one batch at most")
+    queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
+    max_context: int = setting(32768, "tokens one session may hold (prompt + generated); beyond it drafts are refused")
+
+    def __post_init__(self):
+        for name in ("max_sessions", "max_batch", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.queue_limit < 0:
+            raise ValueError(f"queue_limit must be >= 0, not {self.queue_limit}")
+        if not (math.isfinite(self.session_timeout_s) and self.session_timeout_s > 0):
+            raise ValueError(f"session_timeout_s must be > 0, not {self.session_timeout_s}")
+
+
+# ---------------------------------------------------------------------------------------- flags
+_PARSE = {"int": int, "float": float, "str": str}
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of `cls`: --{prefix}{field-name}, typed, with its default and help."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        dest = _dest(prefix, f.name)
+        help_ = f"{f.metadata['help']} (default: {f.default!r})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            parser.add_argument(flag, dest=dest, type=_PARSE[f.type], default=f.default, help=help_,
+                                choices=f.metadata.get("choices"))
+
+
+def from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
+    """An instance of `cls` from the flags `add_flags` made; fields it skipped keep their defaults."""
+    values = {f.name: getattr(args, _dest(prefix, f.name)) for f in dataclasses.fields(cls)
+              if f.name not in overrides and hasattr(args, _dest(prefix, f.name))}
+    return cls(**values, **overrides)
+
+
+def to_flags(cfg, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that give `cfg` to another starsd process (the inverse of from_args)."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        if f.name in skip:
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        value = getattr(cfg, f.name)
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _dest(prefix: str, name: str) -> str:
+    return (prefix + name).replace("-", "_")

@@ -12,24 +12,22 @@ import time
 import torch
 
 from starsd import config as C
-from starsd.bench.report import bar_plot, write_json
-from starsd.colocated import Pair
+from starsd.results import bar_plot, write_json
+from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 
 MODES = ("target_only", "speculative", "hf_assisted")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from starsd.cli import add_dataclass_args, add_model_args
-
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=16, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json-out", default="results/colocated.json")
     p.add_argument("--plot-out", default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
-    add_model_args(p)
-    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
+    C.add_flags(p, C.PairConfig)
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(dtype="bfloat16", threads=2)
 
 
@@ -94,11 +92,9 @@ def summarize(rows: list[dict], modes: list[str]) -> dict:
 
 
 def main(args) -> int:
-    from starsd.cli import from_args, model_configs
-
-    target_cfg, draft_cfg = model_configs(args)
-    draft = from_args(C.DraftConfig, args, prefix="draft-")
-    pair = Pair.load(target_cfg, draft_cfg, args.cache_dir, args.threads)
+    cfg = C.from_args(C.PairConfig, args)
+    draft = C.from_args(C.DraftConfig, args, prefix="draft-")
+    pair = Pair.load(cfg.target_model(), cfg.draft_model(), cfg.cache, cfg.threads)
     prompts = load_prompts(args.prompts, args.limit)
     result = run(pair, prompts, args.max_new_tokens, draft, not args.no_hf)
     result = {

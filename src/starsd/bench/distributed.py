@@ -11,54 +11,36 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
+import zmq
 
 from starsd import config as C
-from starsd import protocol as P
-from starsd.bench.report import bar_plot, write_json
-from starsd.colocated import Pair
-from starsd.draft_client import DraftClient, RemoteDrafter
-from starsd.generate import speculative
-from starsd.launch import start_server
+from starsd.bench.harness import serialisation_ms
 from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
+from starsd.results import bar_plot, write_json
+from starsd.spec.decode import speculative
+from starsd.star.client import DraftClient, RemoteDrafter, Timing
+from starsd.star.launch import start_server
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from starsd.cli import add_dataclass_args, add_model_args
-
     p.add_argument("--prompts", default="humaneval")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json-out", default="results/distributed.json")
     p.add_argument("--plot-out", default=None)
-    add_model_args(p)
-    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
+    C.add_flags(p, C.PairConfig)
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(dtype="bfloat16", threads=2)
-
-
-def serialisation_ms(depth: int, new_tokens: int) -> float:
-    """Encode + decode of one request and one chain reply of this size, both directions (ms)."""
-    tok = torch.arange(new_tokens, dtype=torch.int32)
-    tree = (torch.arange(depth, dtype=torch.int32), torch.arange(depth, dtype=torch.int32) - 1)
-    req = P.DraftRequest(1, 1, False, None, 100, P.specs(tok))
-    rep = P.DraftReply(1, 1, 0.0, 0.0, 1, P.specs(*tree))
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        P.decode([bytes(f) for f in P.encode(req, (tok,))])
-        P.decode([bytes(f) for f in P.encode(rep, tree)])
-    return (time.perf_counter() - t0) / n * 1e3
 
 
 def zmq_echo_ms(rounds: int = 2000) -> float:
     """Round trip of a small two-frame message over loopback, DEALER <-> ROUTER echo: the floor."""
-    import threading
-
-    import zmq
-
     ctx = zmq.Context.instance()
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -85,18 +67,12 @@ def zmq_echo_ms(rounds: int = 2000) -> float:
 
 
 def main(args) -> int:
-    from starsd.cli import from_args, model_configs
-
-    target_cfg, draft_cfg = model_configs(args)
-    draft = from_args(C.DraftConfig, args, prefix="draft-")
+    cfg = C.from_args(C.PairConfig, args)
+    draft = C.from_args(C.DraftConfig, args, prefix="draft-")
     greedy = C.SamplingConfig()
-    server_args = ["--draft", args.draft, "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads),
-                   "--draft-quantize", draft_cfg.quantize]
-    if args.cache_dir:
-        server_args += ["--cache-dir", args.cache_dir]
-    star = start_server(server_args)
+    star = start_server(cfg)
     try:
-        pair = Pair.load(target_cfg, draft_cfg, args.cache_dir, args.threads)
+        pair = Pair.load(cfg.target_model(), cfg.draft_model(), cfg.cache, cfg.threads)
         client = DraftClient(star.address, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)), "bench")
         client.hello()
         remote = RemoteDrafter(client)
@@ -105,7 +81,7 @@ def main(args) -> int:
         warm = prompts[0].encode(pair.tokenizer)  # first passes allocate and pick kernels: not measured
         for drafter in (pair.drafter, remote):
             speculative(pair.target, drafter, warm, 16, draft, greedy, pair.eos_ids)
-        remote.timing = type(remote.timing)()
+        remote.timing = Timing()
         for i, prompt in enumerate(prompts):
             ids = prompt.encode(pair.tokenizer)
             row = {"id": prompt.id}

@@ -19,19 +19,18 @@ import sys
 
 import torch
 
-from starsd import netns
-from starsd.bench import scale
-from starsd.bench.distributed import serialisation_ms
-from starsd.bench.report import line_plot, write_json
-from starsd.launch import read_json_line, start_server
+from starsd import config as C
+from starsd.bench import harness
+from starsd.emulate import netns
+from starsd.results import line_plot, write_json
+from starsd.star.launch import read_json_line, start_server
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    scale.add_args(p)
+    harness.add_star_args(p, json_out="results/multihost.json")
     p.add_argument("--network", default="0.2@1000,1@1000,5@1000,1@100,1@10",
                    help="RTT_MS@MBIT emulated networks, comma-separated (MBIT 0: unshaped)")
-    p.set_defaults(targets="1,8", warmup_s=8.0, measure_s=20.0, json_out="results/multihost.json",
-                   modes="batched")
+    p.set_defaults(targets="1,8", warmup_s=8.0, measure_s=20.0)
 
 
 def networks(text: str) -> list[tuple[float, float | None]]:
@@ -47,7 +46,7 @@ class Proxy:
     """The delay proxy, as a process inside the target namespace."""
 
     def __init__(self, link: netns.Link, upstream: str, delay_ms: float):
-        argv = [*link.exec_argv(link.target_ns), sys.executable, "-m", "starsd.delay_proxy", "--listen", "127.0.0.1:0",
+        argv = [*link.exec_argv(link.target_ns), sys.executable, "-m", "starsd.emulate.delay_proxy", "--listen", "127.0.0.1:0",
                 "--upstream", upstream.removeprefix("tcp://"), "--delay-ms", str(delay_ms)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         self.address = "tcp://" + read_json_line(self.proc, "ready", 30)["ready"]
@@ -59,19 +58,19 @@ class Proxy:
 
 def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float | None) -> list[dict]:
     with netns.Link(rate) as link:
-        star = start_server(scale.server_args(args, serial=False), host=link.draft_ip,
-                            prefix=link.exec_argv(link.draft_ns))
+        star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, serial=False),
+                            host=link.draft_ip, prefix=link.exec_argv(link.draft_ns))
         proxy = None
         try:
             proxy = Proxy(link, star.address, rtt_ms / 2)
-            runner = scale.Runner(runner_inputs, args, prefix=link.exec_argv(link.target_ns))
-            ping = scale.server_stats(proxy.address, runner.prefix, ping=50)["ping_ms"]["median"]
+            runner = harness.Runner(runner_inputs, args, prefix=link.exec_argv(link.target_ns))
+            ping = harness.server_stats(proxy.address, runner.prefix, ping=50)["ping_ms"]["median"]
             points = []
             for n in ns:
                 pt, its = runner.point(proxy.address, n)
                 drafted = [it for it in its if it.wall_ms]
                 mean_len = statistics.fmean(it.tokens for it in drafted)
-                ser = serialisation_ms(depth=max(1, round(pt["tokens_per_iteration"] * 2)), new_tokens=round(mean_len))
+                ser = harness.serialisation_ms(depth=max(1, round(pt["tokens_per_iteration"] * 2)), new_tokens=round(mean_len))
                 pt.update(mode="batched", rtt_ms=rtt_ms, rate_mbit=rate, ping_rtt_ms=ping, serialisation_ms=ser,
                           network_ms=pt["overhead_ms"] - ser)
                 pt.pop("utilization_over_time", None)
@@ -93,12 +92,9 @@ def main(args) -> int:
         write_json(args.json_out, {"skipped": reason})
         return 0
     netns.cleanup_stale()
-    from starsd.cli import model_configs
-
-    ns = [int(x) for x in args.targets.split(",")]
+    ns = harness.numbers(args.targets)
     torch.set_num_threads(args.threads)
-    target_cfg, _ = model_configs(args)
-    inputs = scale.prepare(args, target_cfg, scale.from_draft_args(args))
+    inputs = harness.prepare(args)
     points = []
     for rtt, rate in networks(args.network):
         points += run_network(inputs, args, ns, rtt, rate)

@@ -14,32 +14,32 @@ import json
 
 import torch
 
-from starsd.bench import scale
-from starsd.bench.report import bar_plot, write_json
-from starsd.launch import run_targets, start_server, summarize
+from starsd import config as C
+from starsd.bench import harness
+from starsd.results import bar_plot, write_json
+from starsd.star.launch import run_targets, start_server, summarize, target_command
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    scale.add_args(p)
-    p.set_defaults(targets="1,2", threads=1, json_out="results/replay-check.json")
+    harness.add_star_args(p, json_out="results/replay-check.json")
+    p.set_defaults(targets="1,2", threads=1)
 
 
 def real_point(args, n: int) -> dict:
-    star = start_server(scale.server_args(args, serial=False))
+    pair = C.from_args(C.PairConfig, args)
+    star = start_server(pair, harness.server_config(args, serial=False))
     try:
-        target_args = ["--target", args.target, "--dtype", args.dtype, "--threads", str(args.threads),
-                       "--device", args.device, "--prompts", args.prompts, "--max-new-tokens", str(args.max_new_tokens),
-                       *scale.draft_flags(scale.from_draft_args(args))]
-        if args.cache_dir:
-            target_args += ["--cache-dir", args.cache_dir]
+        target_args = [*target_command(pair)[1:], "--prompts", args.prompts, "--max-new-tokens",
+                       str(args.max_new_tokens), *C.to_flags(C.from_args(C.DraftConfig, args, prefix="draft-"),
+                                                             prefix="draft-")]
         rows = run_targets(star, n, target_args, args.limit)
         return {**summarize(rows, n), "results": [brief(r) for r in rows]}
     finally:
         star.close()
 
 
-def replay_point(runner: scale.Runner, args, n: int) -> dict:
-    star = start_server(scale.server_args(args, serial=False))
+def replay_point(runner: harness.Runner, args, n: int) -> dict:
+    star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, serial=False))
     try:
         rows, go = runner.host(star.address, n, duration_s=0)
     finally:
@@ -55,13 +55,10 @@ def brief(row: dict) -> dict:
 
 
 def main(args) -> int:
-    from starsd.cli import model_configs
-
-    ns = [int(x) for x in args.targets.split(",")]
+    ns = harness.numbers(args.targets)
     torch.set_num_threads(args.threads)  # the latency profile is measured as the real targets run
-    target_cfg, _ = model_configs(args)
-    inputs = scale.prepare(args, target_cfg, scale.from_draft_args(args))
-    runner = scale.Runner(inputs, args)
+    inputs = harness.prepare(args)
+    runner = harness.Runner(inputs, args)
     points = []
     for n in ns:
         real, replay = real_point(args, n), replay_point(runner, args, n)

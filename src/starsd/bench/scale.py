@@ -20,104 +20,32 @@ per-token latency CDF; `--reanalyse JSON` redoes predictions, checks and plots f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from starsd import config as C
-from starsd import simulate, sysmodel
-from starsd.bench import metrics
-from starsd.bench.report import line_plot, panel_plot, write_json
-from starsd.draft_client import DraftClient
-from starsd.launch import read_json_line, spawn, start_server
+from starsd.bench import harness, metrics
+from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget
 from starsd.models.drafter import DraftJob, Drafter
-from starsd.prompts import load as load_prompts
-from starsd.replay import LatencyProfile, Recording, ReplayTarget, measure_latency, record, recording_path
-from starsd.verify import verify_greedy
+from starsd.models.loading import load_model
+from starsd.results import line_plot, panel_plot, write_json
+from starsd.spec.verify import verify_greedy
+from starsd.star.launch import start_server
+from starsd.theory import simulate, sysmodel
 
-WIDTHS = [1, 2, 3, 4, 6, 8, 11, 16]  # scored tokens per verify pass, for the measured latency profile
 SWEEP = [1, 2, 4, 8, 16, 32, 48]  # batch sizes of the service sweep
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from starsd.cli import add_dataclass_args, add_model_args
-
-    p.add_argument("--targets", default="1,2,4,8,16,32,64", help="numbers of targets N, comma-separated")
+    harness.add_star_args(p, json_out="results/scale.json")
     p.add_argument("--modes", default="target-only,single-pair,serial,batched")
-    p.add_argument("--prompts", default="humaneval")
-    p.add_argument("--limit", type=int, default=16, help="prompts recorded and cycled through")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--latency", default=None, help="a verify latency profile (JSON) for other target hardware; "
-                                                   "default: measured here on the real target")
-    p.add_argument("--warmup-s", type=float, default=20.0, help="seconds before the window opens (every "
-                   "target's first request prefills its prompt: at large N a serial server needs a while)")
-    p.add_argument("--measure-s", type=float, default=30.0, help="length of the measuring window")
-    p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json-out", default="results/scale.json")
     p.add_argument("--reanalyse", default=None, metavar="JSON",
                    help="measure nothing: redo the model's and the simulator's predictions, the checks and "
                         "the plots of a result JSON from its measured points and profile")
-    add_model_args(p)
-    add_dataclass_args(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(dtype="bfloat16", threads=2)
-
-
-def draft_flags(cfg: C.DraftConfig) -> list[str]:
-    """The --draft-* flags that give `cfg` to another starsd command."""
-    out = []
-    for f in dataclasses.fields(cfg):
-        flag, value = "--draft-" + f.name.replace("_", "-"), getattr(cfg, f.name)
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
-
-
-def from_draft_args(args) -> C.DraftConfig:
-    from starsd.cli import from_args
-
-    return from_args(C.DraftConfig, args, prefix="draft-")
-
-
-@dataclasses.dataclass
-class Inputs:
-    """What every point needs: the recording, the latency profile, and the files that hold them."""
-
-    recording: Recording
-    recording_file: str
-    latency: LatencyProfile
-    latency_file: str
-    draft: C.DraftConfig
-
-
-def prepare(args, target_cfg: C.ModelConfig, draft: C.DraftConfig) -> Inputs:
-    """Record the real target's continuations (cached) and measure its verify latency here (or
-    read --latency); the measured profile is written next to the JSON, as STEM-verify-latency.json."""
-    prompts = load_prompts(args.prompts, args.limit)
-    rec = record(target_cfg, prompts, args.max_new_tokens, args.cache_dir, args.threads)
-    rec_file = str(recording_path(target_cfg, prompts, args.max_new_tokens, args.cache_dir))
-    if args.latency:
-        return Inputs(rec, rec_file, LatencyProfile.load(args.latency), args.latency, draft)
-    from starsd.colocated import Pair
-
-    pair = Pair.load(target_cfg, None, args.cache_dir, args.threads)
-    prompts = [p["prompt_ids"] for p in rec.prompts.values()]
-    by_length = sorted(prompts, key=len)
-    spread = [by_length[0], by_length[len(by_length) // 2], by_length[-1]]  # short, median, long prompt
-    latency = measure_latency(pair.target, [prompts[0], *spread], WIDTHS, reps=10,
-                              source=f"measured: {target_cfg.path} {target_cfg.dtype}, {args.threads} threads")
-    lat_file = Path(str(args.json_out).rsplit(".", 1)[0] + "-verify-latency.json")
-    lat_file.parent.mkdir(parents=True, exist_ok=True)
-    lat_file.write_text(json.dumps(latency.to_json(), indent=1))
-    return Inputs(rec, rec_file, latency, str(lat_file), draft)
 
 
 def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.DraftConfig,
@@ -161,75 +89,12 @@ def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.
     return times
 
 
-class Runner:
-    """Runs one point: a replay host with n targets against a draft server, over warm-up + window."""
-
-    def __init__(self, inputs: Inputs, args, prefix: list[str] = ()):
-        self.inputs, self.args, self.prefix = inputs, args, list(prefix)
-
-    def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None
-             ) -> tuple[list[dict], float]:
-        """Run n replay targets (for duration_s, default warm-up + window; 0: each decodes its share
-        of the prompts once); return their JSON rows and the unix time they were released."""
-        a = self.args
-        duration_s = a.warmup_s + a.measure_s if duration_s is None else duration_s
-        argv = ["replay-targets", "--connect", address, "--recording", self.inputs.recording_file,
-                "--latency", self.inputs.latency_file, "--targets", str(n), "--max-new-tokens", str(a.max_new_tokens),
-                "--duration-s", str(duration_s), "--wait-go", "--seed", str(a.seed),
-                *draft_flags(self.inputs.draft), *(["--no-spec"] if no_spec else [])]
-        proc = spawn(argv, self.prefix)
-        try:
-            read_json_line(proc, "ready", 120)
-            go = time.time()
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            out, _ = proc.communicate(timeout=(duration_s or 3600) + 300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        errors = [r["error"] for r in rows if "error" in r]
-        if proc.returncode or errors:
-            raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
-        return rows, go
-
-    def point(self, address: str | None, n: int, no_spec: bool = False) -> tuple[dict, list[metrics.Iteration]]:
-        rows, go = self.host(address or "tcp://127.0.0.1:9", n, no_spec)
-        w0 = go + self.args.warmup_s
-        w1 = w0 + self.args.measure_s
-        timeline = None if address is None else server_stats(address, self.prefix)["timeline"]
-        its = metrics.iterations(rows)
-        return metrics.point(its, n, w0, w1, timeline), [it for it in its if w0 <= it.end <= w1]
-
-
-def server_stats(address: str, prefix: list[str] = (), ping: int = 0) -> dict:
-    """The draft server's counters, asked from where the targets are (`prefix`: another namespace)."""
-    if prefix:
-        argv = [*prefix, sys.executable, "-m", "starsd.cli", "stats", "--connect", address, "--ping", str(ping)]
-        return json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout)
-    client = DraftClient(address, "", "bench", timeout_s=30)
-    try:
-        stats = client.stats()
-        if ping:
-            stats["ping_ms"] = {"median": statistics.median(client.ping() for _ in range(ping))}
-        return stats
-    finally:
-        client.close()
-
-
-def server_args(args, serial: bool) -> list[str]:
-    out = ["--draft", args.draft, "--dtype", args.dtype, "--threads", str(args.threads), "--draft-quantize",
-           args.draft_quantize, "--device", args.device, "--max-batch", str(args.max_batch)]
-    if args.cache_dir:
-        out += ["--cache-dir", args.cache_dir]
-    return out + (["--serial"] if serial else [])
-
-
-def run_server_mode(runner: Runner, args, ns: list[int], serial: bool
+def run_server_mode(runner: harness.Runner, args, ns: list[int], serial: bool
                     ) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
     mode = "serial" if serial else "batched"
-    star = start_server(server_args(args, serial))
-    points, its = [], {}
+    star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, serial))
+    points = []
+    its = {}
     try:
         for n in ns:
             pt, its[n] = runner.point(star.address, n)
@@ -322,7 +187,8 @@ COLOURS = {"target-only": "#7f7f7f", "single-pair": "#2ca02c", "serial": "#ff7f0
 def plot(path_stem: str, result: dict) -> None:
     """The three PNGs, from a result JSON: throughput vs N (system and per target) with the model's
     prediction, utilisation over time, per-token latency CDF."""
-    points, profile = result["points"], sysmodel.Profile.from_json(result["profile"])
+    points = result["points"]
+    profile = sysmodel.Profile.from_json(result["profile"])
     ns = sorted({p["n"] for p in points})
     panels = []
     for key, ylabel in (("system_tokens_per_s", "system tokens / s"), ("per_target_tokens_per_s", "tokens / s per target")):
@@ -379,20 +245,16 @@ def latency_cdf(its: dict, n_full: dict) -> dict[str, list[float]]:
 def main(args) -> int:
     if args.reanalyse:
         return reanalyse(args.reanalyse, args.seed)
-    from starsd.cli import model_configs
-    from starsd.models.loading import load_model
-
-    ns = [int(x) for x in args.targets.split(",")]
+    ns = harness.numbers(args.targets)
     modes = args.modes.split(",")
-    target_cfg, draft_cfg = model_configs(args)
-    draft = from_draft_args(args)
+    pair = C.from_args(C.PairConfig, args)
     torch.set_num_threads(args.threads)
     stem = str(args.json_out).rsplit(".", 1)[0]
-    inputs = prepare(args, target_cfg, draft)
-    drafter = Drafter(load_model(draft_cfg, args.cache_dir))
-    service = measure_service(drafter, inputs.recording, [b for b in SWEEP if b <= args.max_batch], draft)
+    inputs = harness.prepare(args)
+    drafter = Drafter(load_model(pair.draft_model(), pair.cache))
+    service = measure_service(drafter, inputs.recording, [b for b in SWEEP if b <= args.max_batch], inputs.draft)
     del drafter
-    runner = Runner(inputs, args)
+    runner = harness.Runner(inputs, args)
     alone, alone_its = runner.point(None, 1, no_spec=True)
     print(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target", flush=True)
     points = derived(alone, "target-only", ns) if "target-only" in modes else []

@@ -21,8 +21,8 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models import forward as fw
-from starsd.tree import DraftTree
-from starsd.verify import sample, warp
+from starsd.spec.tree import DraftTree
+from starsd.spec.verify import sample, warp
 
 SOLO_INGEST = 32  # ingest longer than this (a prompt) runs on its own instead of padding a batch
 
@@ -110,9 +110,11 @@ class Drafter:
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
+    @property
+    def device(self) -> torch.device:
+        return fw.device_of(self.model)
+
     def start(self, prompt_ids: list[int]) -> DraftSequence:
-        if not prompt_ids:
-            raise ValueError("empty prompt: at least one token is needed to condition on")
         return DraftSequence(list(prompt_ids), fw.new_cache(self.model))
 
     def propose(self, seq: DraftSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
@@ -137,8 +139,6 @@ class Drafter:
     def _propose_batch(self, jobs: list[DraftJob]) -> list[DraftTree]:
         for job in jobs:
             job.seq.tokens.extend(job.new_tokens)
-            if not job.seq.tokens:
-                raise ValueError("empty prompt: at least one token is needed to condition on")
         roots: dict[int, torch.Tensor] = {}
         for i, job in enumerate(jobs):  # prompts alone: no padding everyone else to their length
             fresh = len(job.seq.tokens) - job.seq.cached
@@ -173,7 +173,8 @@ class _Batch:
     drafting, the batch drops them, so the remaining levels compute only the sequences still growing."""
 
     def __init__(self, model, seqs: list[DraftSequence]):
-        self.model, self.seqs = model, seqs
+        self.model = model
+        self.seqs = seqs
         self.shared = len(seqs) == 1  # a batch of one works in the sequence's own cache
         width = max(s.cached for s in seqs)
         self.cache = seqs[0].cache if self.shared else fw.stack_caches(model, [s.cache for s in seqs], width)

@@ -11,6 +11,11 @@ import torch
 from transformers import DynamicCache
 
 
+def device_of(model) -> torch.device:
+    """Where the model computes: the device of its input embeddings (never quantised)."""
+    return model.get_input_embeddings().weight.device
+
+
 def new_cache(model) -> DynamicCache:
     return DynamicCache(config=model.config)
 

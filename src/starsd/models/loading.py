@@ -8,22 +8,23 @@ from pathlib import Path
 
 import torch
 
-from starsd import weights
+from starsd.models import pinned
 from starsd.config import ModelConfig
+from starsd.errors import StarsdError
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(StarsdError, RuntimeError):
     """The model could not be found or loaded."""
 
 
-class VocabMismatch(ValueError):
+class VocabMismatch(StarsdError, ValueError):
     """Target and draft do not share one tokenizer: their token ids would mean different things."""
 
 
 def resolve(path: str, cache: str | None = None) -> str:
     """A pinned name becomes its cached directory (fetched on first use); anything else is kept."""
-    if path in weights.PINNED:
-        return str(weights.fetch(path, cache))
+    if path in pinned.PINNED:
+        return str(pinned.fetch(path, cache))
     return path
 
 
@@ -56,7 +57,7 @@ def _not_found(path: str, e: Exception) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     kind = "directory" if Path(path).is_dir() else "name"
     return (f"cannot load model {path!r} ({kind}): {first}. Use a pinned name "
-            f"({', '.join(weights.PINNED)}), a local Hugging Face model directory, or a hub id with hub access.")
+            f"({', '.join(pinned.PINNED)}), a local Hugging Face model directory, or a hub id with hub access.")
 
 
 def vocab_fingerprint(tokenizer, vocab_size: int) -> str:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from starsd.models import forward as fw
-from starsd.tree import DraftTree, ancestor_mask, depths
-from starsd.verify import Verdict
+from starsd.spec.tree import DraftTree, ancestor_mask, depths
+from starsd.spec.verify import Verdict
 
 
 @dataclass
@@ -31,12 +31,10 @@ class TargetModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return fw.device_of(self.model)
 
     def start(self, prompt_ids: list[int]) -> TargetSequence:
         """Prefill the prompt (all but its last token, which becomes the pending root)."""
-        if not prompt_ids:
-            raise ValueError("empty prompt: at least one token is needed to condition on")
         seq = TargetSequence(list(prompt_ids), fw.new_cache(self.model))
         body = torch.tensor(prompt_ids[:-1], dtype=torch.long)
         if body.numel():
@@ -53,7 +51,11 @@ class TargetModel:
         tokens = torch.cat([torch.tensor([seq.tokens[-1]]), tree.tokens])
         positions = past + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])
         attend = torch.cat([torch.ones(n + 1, past, dtype=torch.bool), ancestor_mask(tree.parents)], dim=1)
-        hidden = fw.forward(self.model, seq.cache, tokens, positions, attend)
+        try:
+            hidden = fw.forward(self.model, seq.cache, tokens, positions, attend)
+        except BaseException:  # a pass that fails part-way leaves some layers longer: cut them back
+            fw.truncate(seq.cache, past)
+            raise
         seq.scored = n
         seq.hidden = hidden if want_hidden else None
         return fw.lm_head(self.model, hidden)

@@ -2,7 +2,7 @@
 
 A replay target costs no compute (it sleeps through its verify latency), so one process can stand
 in for N target machines. Each target runs the ordinary draft -> verify -> accept loop
-(generate.speculative) against the real draft server. Prints one JSON line per prompt decoded,
+(spec.decode.speculative) against the real draft server. Prints one JSON line per prompt decoded,
 marked "replay": true, with the per-iteration trace a benchmark needs.
 """
 
@@ -14,9 +14,9 @@ import threading
 import time
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.draft_client import DraftClient, RemoteDrafter, Timing
-from starsd.generate import speculative, target_only
-from starsd.replay import LatencyProfile, Recording, ReplayTarget
+from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget
+from starsd.spec.decode import speculative, target_only
+from starsd.star.client import DraftClient, RemoteDrafter, Timing
 
 
 class Host:
@@ -26,9 +26,16 @@ class Host:
         if max_new_tokens > recording.max_new_tokens:
             raise ValueError(f"the recording holds {recording.max_new_tokens} tokens per prompt; "
                              f"cannot replay {max_new_tokens}")
-        self.connect, self.recording, self.latency, self.n = connect, recording, latency, n
-        self.max_new_tokens, self.draft, self.no_spec = max_new_tokens, draft, no_spec
-        self.duration_s, self.seed, self.timeout_s = duration_s, seed, timeout_s
+        self.connect = connect
+        self.recording = recording
+        self.latency = latency
+        self.n = n
+        self.max_new_tokens = max_new_tokens
+        self.draft = draft
+        self.no_spec = no_spec
+        self.duration_s = duration_s
+        self.seed = seed
+        self.timeout_s = timeout_s
         self.prompts = list(recording.prompts.items())
         self.ready = threading.Barrier(n + 1)
         self.go = threading.Event()

@@ -1,6 +1,6 @@
 """A user-space TCP proxy that delays each direction of every connection by a fixed one-way delay.
 
-This kernel has no netem, so network latency between the emulated hosts (see `starsd.netns`) is
+This kernel has no netem, so network latency between the emulated hosts (see `starsd.emulate.netns`) is
 added here. Each accepted connection gets its own connection to the upstream; the two directions
 of a pair are *pipes*. A chunk of bytes read from a pipe's source is written to its destination
 `delay_ms` after it was read, in order, without holding up other connections.
@@ -13,7 +13,7 @@ must stay below FD_SETSIZE (1024): fine for the ~100 connections of a star.
 
 Run as a process:
 
-    python -m starsd.delay_proxy --listen 127.0.0.1:0 --upstream 10.231.0.1:5555 --delay-ms 0.1
+    python -m starsd.emulate.delay_proxy --listen 127.0.0.1:0 --upstream 10.231.0.1:5555 --delay-ms 0.1
 
 prints `{"ready": "HOST:PORT"}` once listening and runs until SIGTERM or SIGINT.
 """
@@ -306,7 +306,7 @@ def _address(text: str) -> Address:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m starsd.delay_proxy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m starsd.emulate.delay_proxy", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", type=_address, required=True, help="HOST:PORT (port 0: any free port)")
     parser.add_argument("--upstream", type=_address, required=True, help="HOST:PORT to forward to")
     parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay in each direction")

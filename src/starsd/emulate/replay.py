@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
-from starsd import weights
 from starsd.config import ModelConfig, SamplingConfig
+from starsd.models import pinned
+from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.pair import Pair
 from starsd.prompts import Prompt
-from starsd.sysmodel import interpolate
-from starsd.tree import DraftTree, depths
-from starsd.verify import Verdict
+from starsd.spec.tree import DraftTree, depths
+from starsd.spec.verify import Verdict
+from starsd.theory.sysmodel import interpolate
 
 
 def _interpolate(points: dict[int, tuple[float, ...]], x: float) -> float:
@@ -117,7 +119,7 @@ class Recording:
 def recording_path(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int,
                    cache: str | None = None) -> Path:
     key = json.dumps([target_cfg.path, target_cfg.dtype, max_new_tokens, [(p.id, p.text, p.chat) for p in prompts]])
-    return weights.cache_root(cache) / "replay" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return pinned.cache_root(cache) / "replay" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def record(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int, cache: str | None = None,
@@ -126,9 +128,6 @@ def record(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int, 
     path = recording_path(target_cfg, prompts, max_new_tokens, cache)
     if path.exists():
         return Recording.load(path)
-    from starsd.colocated import Pair
-    from starsd.models.loading import logits_width, vocab_fingerprint
-
     pair = Pair.load(target_cfg, None, cache, threads)
     width = logits_width(pair.target.model)
     rec = Recording(target_cfg.path, target_cfg.dtype, max_new_tokens, vocab_fingerprint(pair.tokenizer, width),
@@ -180,6 +179,8 @@ class ReplayTarget:
     """The TargetModel interface (start / score / commit), answered from a recording.
 
     Greedy only: a sampled target's choices cannot be replayed."""
+
+    device = torch.device("cpu")  # its logits are built here
 
     def __init__(self, recording: Recording, latency: LatencyProfile, seed: int = 0):
         self.vocab_size = recording.vocab_size

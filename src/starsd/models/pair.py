@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from starsd.config import DraftConfig, ModelConfig, SamplingConfig
-from starsd.generate import Generation, speculative, target_only
 from starsd.models.drafter import Drafter
 from starsd.models.loading import check_pair, eos_ids, load_model, load_tokenizer, logits_width
 from starsd.models.target import TargetModel
 from starsd.prompts import Prompt
+from starsd.spec.decode import Generation, speculative, target_only
 
 
 @dataclass

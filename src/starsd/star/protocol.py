@@ -17,23 +17,23 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import warnings
 
 import msgspec
 import torch
 import zmq
 
-PROTOCOL_VERSION = 1
+from starsd.config import DraftConfig, SamplingConfig
+
+PROTOCOL_VERSION = 2  # 2: settings travel by name, as DraftConfig and SamplingConfig
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
+# A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
 MAX_TOKENS_PER_REQUEST = 32768
-MAX_DRAFT_NODES = 256
-MAX_DRAFT_DEPTH = 64
-MAX_VOCAB = 1 << 20
 MAX_HIDDEN = 1 << 16
 MAX_DIM = 1 << 24  # any one tensor dimension
 MAX_FRAME_BYTES = 64 << 20  # any one frame; the server's socket refuses larger messages outright
-MAX_SEED = (1 << 63) - 2
 
 # Received frames are read-only buffers; tensors view them without copying and are never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -65,20 +65,6 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
     shape: tuple[int, ...]
 
 
-class DraftSettings(msgspec.Struct, array_like=True, frozen=True):
-    """A session's draft shape (config.DraftConfig) and, for sampled drafts, its sampling law."""
-
-    depth: int
-    top_k: int
-    total_tokens: int
-    min_path_prob: float
-    sample: bool
-    temperature: float
-    sampling_top_k: int
-    top_p: float
-    seed: int
-
-
 class Hello(msgspec.Struct, array_like=True, frozen=True):
     version: int
     fingerprint: str  # models.loading.vocab_fingerprint of the target's tokenizer and logits width
@@ -88,14 +74,15 @@ class Hello(msgspec.Struct, array_like=True, frozen=True):
 class Welcome(msgspec.Struct, array_like=True, frozen=True):
     tag: int  # the session tag: every later message of this session carries it
     server: str
-    max_nodes: int
+    max_nodes: int  # config.MAX_DRAFT_NODES: no draft of this server has more
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
     tag: int
-    step: int  # increases by one per request of the session; a reply echoes it
+    step: int  # the session's request count: a taken request advances it by one; a reply echoes it
     reset: bool  # a new generation stream: tokens is the whole prompt
-    settings: DraftSettings | None  # required with reset
+    draft: DraftConfig | None  # the draft's shape, required with reset (a map, by field name)
+    sampling: SamplingConfig | None  # the target's sampling law, required with reset (ditto)
     budget: int  # tokens the target may still emit: no point drafting deeper than budget - 1
     tensors: tuple[TensorSpec, ...]  # tokens int32 [m]; optionally hidden states [m, H]
 
@@ -114,6 +101,9 @@ class Bye(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Error(msgspec.Struct, array_like=True, frozen=True):
+    """A refusal. An Error answering a DraftRequest means the request was not taken: the session's
+    step stays where it was, and the tokens it carried must be sent again with the next request."""
+
     code: str
     message: str
     tag: int = 0
@@ -135,7 +125,7 @@ class StatsRequest(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Stats(msgspec.Struct, array_like=True, frozen=True):
-    json: str  # the server's counters, a JSON object (see draft_server.ServerStats)
+    json: str  # the server's counters, a JSON object (see star.stats.ServerStats)
 
 
 STRUCTS: dict[MsgType, type] = {
@@ -146,6 +136,9 @@ STRUCTS: dict[MsgType, type] = {
 TYPES = {cls: t for t, cls in STRUCTS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in STRUCTS.items()}
+# A ValidationError's path into a DraftRequest's settings fields, e.g. "- at `$[3]`" or "`$[4].top_p`".
+_SETTINGS_AT = re.compile(r"at `\$\[(%d|%d)\]" % (DraftRequest.__struct_fields__.index("draft"),
+                                                   DraftRequest.__struct_fields__.index("sampling")))
 _DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -180,7 +173,10 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
         raise ProtocolError("unknown_type", f"unknown message type {head[0]}") from None
     try:
         msg = _DECODERS[kind].decode(head[1:])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except msgspec.ValidationError as e:  # settings that fail DraftConfig's / SamplingConfig's checks
+        code = "bad_settings" if kind == MsgType.DRAFT_REQUEST and _SETTINGS_AT.search(str(e)) else "bad_header"
+        raise ProtocolError(code, f"malformed {kind.name} header: {e}") from None
+    except msgspec.DecodeError as e:
         raise ProtocolError("bad_header", f"malformed {kind.name} header: {e}") from None
     tensor_specs = msg.tensors if isinstance(msg, (DraftRequest, DraftReply)) else ()
     if len(frames) - 1 != len(tensor_specs):
@@ -221,32 +217,10 @@ def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
         if len(tensors) > 2 or (len(tensors) == 2 and (tensors[1].ndim != 2 or tensors[1].shape[0] != m
                                                        or tensors[1].shape[1] > MAX_HIDDEN)):
             raise ProtocolError("bad_request", "optional hidden states must be [m, H] for the m tokens")
-        if msg.reset and msg.settings is None:
-            raise ProtocolError("bad_request", "a reset request must carry draft settings")
-        if msg.settings is not None:
-            validate_settings(msg.settings)
+        if msg.reset and (msg.draft is None or msg.sampling is None):
+            raise ProtocolError("bad_request", "a reset request must carry draft and sampling settings")
         if msg.budget < 1:
             raise ProtocolError("bad_request", f"budget must be >= 1, not {msg.budget}")
     elif isinstance(msg, DraftReply):
         if len(tensors) not in (2, 3) or tensors[0].shape != tensors[1].shape or tensors[0].ndim != 1:
             raise ProtocolError("bad_reply", "a draft reply carries tokens [n] and parents [n] (and q [n, V])")
-
-
-def validate_settings(s: DraftSettings) -> None:
-    problems = []
-    if not 1 <= s.depth <= MAX_DRAFT_DEPTH:
-        problems.append(f"depth {s.depth} not in 1..{MAX_DRAFT_DEPTH}")
-    if not 1 <= s.top_k <= 16:
-        problems.append(f"top_k {s.top_k} not in 1..16")
-    if not 0 <= s.total_tokens <= MAX_DRAFT_NODES or s.depth * s.top_k > MAX_DRAFT_NODES * 4:
-        problems.append(f"tree too large (max {MAX_DRAFT_NODES} nodes)")
-    if s.sample and s.top_k != 1:
-        problems.append("sampled drafts are chains (top_k 1)")
-    floats = (s.temperature, s.top_p, s.min_path_prob)
-    if not all(math.isfinite(x) for x in floats) or s.temperature < 0 or not 0 < s.top_p <= 1 \
-            or s.sampling_top_k < 0 or not 0 <= s.min_path_prob < 1:
-        problems.append("sampling settings out of range")
-    if not 0 <= s.seed <= MAX_SEED:
-        problems.append(f"seed must lie in [0, {MAX_SEED}]")
-    if problems:
-        raise ProtocolError("bad_settings", "; ".join(problems))

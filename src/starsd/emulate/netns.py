@@ -6,7 +6,7 @@ private /30 (draft 10.231.<k>.1, target 10.231.<k>.2), optionally shaped to `rat
 token bucket (`tc tbf`) on both ends. Run a process on either host with
 `link.exec_argv(link.draft_ns) + [...]`.
 
-Delay is not added here: this kernel has no netem; use `starsd.delay_proxy` inside a namespace.
+Delay is not added here: this kernel has no netem; use `starsd.emulate.delay_proxy` inside a namespace.
 The addresses live only inside the namespaces, so Links never clash with each other or with the
 machine's own network; <k> still differs per Link so that logs tell them apart.
 
@@ -128,8 +128,10 @@ class Link:
         with _counter_lock:
             k = next(_counter)
         base = f"{PREFIX}{os.getpid()}-{k}"
-        self.draft_ns, self.target_ns = f"{base}-d", f"{base}-t"
-        self.draft_ip, self.target_ip = f"10.231.{k % 256}.1", f"10.231.{k % 256}.2"
+        self.draft_ns = f"{base}-d"
+        self.target_ns = f"{base}-t"
+        self.draft_ip = f"10.231.{k % 256}.1"
+        self.target_ip = f"10.231.{k % 256}.2"
         self.rate_mbit = rate_mbit
         self._finalizer = weakref.finalize(self, _delete_namespaces, (self.draft_ns, self.target_ns))
         try:

@@ -1,7 +1,7 @@
 """A target worker: holds the target model, drafts through a draft server, verifies locally.
 
 One generation stream at a time (as in the paper): for each prompt, the draft -> verify -> accept
-loop of generate.speculative with a RemoteDrafter. Prints one JSON object per prompt with --json.
+loop of spec.decode.speculative with a RemoteDrafter. Prints one JSON object per prompt with --json.
 """
 
 from __future__ import annotations
@@ -10,35 +10,38 @@ import json
 import sys
 import time
 
-from starsd.colocated import Pair
-from starsd.config import DraftConfig, ModelConfig, SamplingConfig
-from starsd.draft_client import DraftClient, RemoteDrafter
-from starsd.generate import speculative, target_only
+from starsd.config import DraftConfig, PairConfig, SamplingConfig
 from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.pair import Pair
 from starsd.prompts import Prompt
+from starsd.spec.decode import speculative, target_only
+from starsd.star.client import DraftClient, RemoteDrafter, Timing
 
 
-def run(connect: str, target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int,
-        sampling: SamplingConfig, draft: DraftConfig, name: str, as_json: bool, no_spec: bool = False,
-        cache: str | None = None, threads: int = 0, wait_go: bool = False, timeout_s: float = 60.0) -> int:
-    pair = Pair.load(target_cfg, None, cache, threads)
-    fingerprint = vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model))
-    client = DraftClient(connect, fingerprint, name, timeout_s)
+def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_tokens: int, sampling: SamplingConfig,
+        draft: DraftConfig, *, name: str = "target", as_json: bool = False, no_spec: bool = False,
+        ignore_eos: bool = False, wait_go: bool = False, timeout_s: float = 60.0) -> int:
+    """Decode `prompts` one after another. ignore_eos: always decode max_new_tokens (load tests).
+    wait_go: after the handshake, print a ready line and wait for a line on stdin (a launcher
+    starts every target's decoding at the same moment)."""
+    pair = Pair.load(pair_cfg.target_model(), None, pair_cfg.cache, pair_cfg.threads)
+    eos = frozenset() if ignore_eos else pair.eos_ids
+    client = DraftClient(connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)), name, timeout_s)
     try:
         if not no_spec:
             client.hello()
-        if wait_go:  # a launcher starts every target's decoding at the same moment
+        if wait_go:
             print(json.dumps({"ready": name}), flush=True)
             sys.stdin.readline()
         drafter = RemoteDrafter(client)
         for prompt in prompts:
             ids = prompt.encode(pair.tokenizer)
-            drafter.timing = type(drafter.timing)()
+            drafter.timing = Timing()
             started = time.time()
             if no_spec:
-                gen = target_only(pair.target, ids, max_new_tokens, sampling, pair.eos_ids)
+                gen = target_only(pair.target, ids, max_new_tokens, sampling, eos)
             else:
-                gen = speculative(pair.target, drafter, ids, max_new_tokens, draft, sampling, pair.eos_ids)
+                gen = speculative(pair.target, drafter, ids, max_new_tokens, draft, sampling, eos)
             text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             if as_json:
                 print(json.dumps({

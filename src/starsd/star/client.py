@@ -1,7 +1,7 @@
 """A target's side of the wire: the connection to a draft server, and a drafter that lives there.
 
 RemoteDrafter has the Drafter interface (start / propose), so the target runs the very same
-draft -> verify -> accept loop (generate.speculative) whether its drafter is local or remote.
+draft -> verify -> accept loop (spec.decode.speculative) whether its drafter is local or remote.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from starsd import protocol as P
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.tree import DraftTree
+from starsd.errors import StarsdError
+from starsd.spec.tree import DraftTree
+from starsd.star import protocol as P
 
 
-class DraftServerError(RuntimeError):
+class DraftServerError(StarsdError, RuntimeError):
     """The draft server refused a request (code says why) or did not answer in time."""
 
     def __init__(self, code: str, message: str):
@@ -29,11 +30,17 @@ class DraftServerError(RuntimeError):
 
 
 class DraftClient:
-    """One DEALER connection with one session. Not thread-safe: one request in flight at a time."""
+    """One DEALER connection with one session. Not thread-safe: one request in flight at a time.
+
+    `step` numbers the session's requests as the server counts them: it advances when a reply
+    comes and stays put on an Error, since a refused request is not taken (protocol.Error)."""
 
     def __init__(self, address: str, fingerprint: str, name: str = "target", timeout_s: float = 60.0,
                  heartbeat_s: float = 1.0):
-        self.address, self.fingerprint, self.name, self.timeout_s = address, fingerprint, name, timeout_s
+        self.address = address
+        self.fingerprint = fingerprint
+        self.name = name
+        self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self._heartbeat: Heartbeat | None = None
         self.ctx = zmq.Context.instance()
@@ -55,16 +62,20 @@ class DraftClient:
             self._heartbeat.start()
         return welcome
 
-    def draft(self, tokens: list[int], budget: int, settings: P.DraftSettings | None) -> tuple[P.DraftReply, tuple]:
-        """Send one draft request (a reset when settings are given) and wait for its reply."""
+    def draft(self, tokens: list[int], budget: int, draft: DraftConfig | None = None,
+              sampling: SamplingConfig | None = None) -> tuple[P.DraftReply, tuple]:
+        """Send one draft request and wait for its reply. With settings it is a reset: `tokens` is
+        then the whole sequence, and it gets a fresh step number, so that no late reply to an
+        earlier request can pass for its answer. Raises DraftServerError on a refusal."""
+        reset = draft is not None
+        if reset:
+            self.step += 1
         t = torch.tensor(tokens, dtype=torch.int32)
-        msg = P.DraftRequest(self.tag, self.step, settings is not None, settings, budget, P.specs(t))
-        self._send(msg, (t,))
-        step = self.step
-        self.step += 1
+        self._send(P.DraftRequest(self.tag, self.step, reset, draft, sampling, budget, P.specs(t)), (t,))
         while True:
-            reply, tensors = self._receive(P.DraftReply)
-            if reply.step == step:
+            reply, tensors = self._receive(P.DraftReply, step=self.step)
+            if reply.step == self.step:
+                self.step += 1
                 return reply, tensors
 
     def stats(self) -> dict:
@@ -92,15 +103,20 @@ class DraftClient:
     def _send(self, msg, tensors=()) -> None:
         self.sock.send_multipart(P.encode(msg, tensors), copy=False)
 
-    def _receive(self, want: type):
-        if not self.sock.poll(int(self.timeout_s * 1000)):
-            raise DraftServerError("timeout", f"no answer from {self.address} within {self.timeout_s:.0f} s")
-        msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
-        if isinstance(msg, P.Error):
-            raise DraftServerError(msg.code, msg.message)
-        if not isinstance(msg, want):
-            raise DraftServerError("unexpected", f"expected {want.__name__}, got {type(msg).__name__}")
-        return msg, tensors
+    def _receive(self, want: type, step: int = -1):
+        """The next message, which must be a `want`. An Error is raised as DraftServerError unless
+        it answers another step than `step` (a late answer to an earlier request: skipped)."""
+        while True:
+            if not self.sock.poll(int(self.timeout_s * 1000)):
+                raise DraftServerError("timeout", f"no answer from {self.address} within {self.timeout_s:.0f} s")
+            msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
+            if isinstance(msg, P.Error):
+                if step >= 0 and msg.step not in (-1, step):
+                    continue
+                raise DraftServerError(msg.code, msg.message)
+            if not isinstance(msg, want):
+                raise DraftServerError("unexpected", f"expected {want.__name__}, got {type(msg).__name__}")
+            return msg, tensors
 
 
 class Heartbeat(threading.Thread):
@@ -109,7 +125,9 @@ class Heartbeat(threading.Thread):
 
     def __init__(self, address: str, tag: int, interval_s: float):
         super().__init__(name="starsd-heartbeat", daemon=True)
-        self.address, self.tag, self.interval_s = address, tag, interval_s
+        self.address = address
+        self.tag = tag
+        self.interval_s = interval_s
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -132,39 +150,42 @@ class Heartbeat(threading.Thread):
 @dataclass
 class RemoteSequence:
     tokens: list[int]  # committed tokens, as the target sees them
-    needs_reset: bool = True
+    sent: int = 0  # how many of them the draft server holds; 0: the next request is a reset
 
 
 @dataclass
 class Timing:
     """Per draft request, as the target saw it (ms). overhead = wall - queue - service: serialisation,
-    transport and the server's IO hop."""
+    transport and the server's IO hop. `refused`: requests the server turned away as busy (those
+    steps decoded without a draft)."""
 
     wall: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
     service: list[float] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
+    refused: int = 0
 
     def summary(self) -> dict:
         n = len(self.wall)
         if not n:
-            return {}
+            return {"requests": 0, "refused": self.refused} if self.refused else {}
         overhead = [w - q - s for w, q, s in zip(self.wall, self.queue, self.service)]
         return {"requests": n, "wall_ms": sum(self.wall) / n, "queue_ms": sum(self.queue) / n,
                 "service_ms": sum(self.service) / n, "overhead_ms": sum(overhead) / n,
-                "mean_batch": sum(self.batch) / n}
+                "mean_batch": sum(self.batch) / n, "refused": self.refused}
 
 
 class RemoteDrafter:
-    """The Drafter interface, served by a draft server."""
+    """The Drafter interface, served by a draft server. A request refused as busy gives an empty
+    draft (the target decodes that step alone) and its tokens go with the next request."""
+
+    device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
 
     def __init__(self, client: DraftClient):
         self.client = client
         self.timing = Timing()
 
     def start(self, prompt_ids: list[int]) -> RemoteSequence:
-        if not prompt_ids:
-            raise ValueError("empty prompt: at least one token is needed to condition on")
         return RemoteSequence(list(prompt_ids))
 
     def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
@@ -174,31 +195,30 @@ class RemoteDrafter:
         seq.tokens.extend(new_tokens)
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
-        try:
-            reply, tensors = self._request(seq, new_tokens, cfg, sampling, budget)
-        except DraftServerError as e:
-            if e.code not in ("reset_required", "unknown_session"):
-                raise
-            if e.code == "unknown_session":  # the server dropped us (restart, timeout): new session
-                self.client.hello()
-            seq.needs_reset = True
-            reply, tensors = self._request(seq, new_tokens, cfg, sampling, budget)
-        wall = (time.perf_counter() - t0) * 1e3
-        self.timing.wall.append(wall)
+        for attempt in range(2):
+            try:
+                reply, tensors = self._request(seq, cfg, sampling, budget)
+                break
+            except DraftServerError as e:
+                if e.code == "busy":
+                    self.timing.refused += 1
+                    return DraftTree.empty()
+                if attempt or e.code not in ("reset_required", "unknown_session"):
+                    raise
+                if e.code == "unknown_session":  # the server dropped us (restart, timeout): new session
+                    self.client.hello()
+                seq.sent = 0
+        self.timing.wall.append((time.perf_counter() - t0) * 1e3)
         self.timing.queue.append(reply.queue_ms)
         self.timing.service.append(reply.service_ms)
         self.timing.batch.append(reply.batch_size)
         q = tensors[2].clone() if len(tensors) == 3 else None
         return DraftTree(tensors[0].long(), tensors[1].long(), q)
 
-    def _request(self, seq: RemoteSequence, new_tokens, cfg, sampling, budget):
-        if seq.needs_reset:
-            reply = self.client.draft(seq.tokens, budget, settings_of(cfg, sampling))
-            seq.needs_reset = False
-            return reply
-        return self.client.draft(new_tokens, budget, None)
-
-
-def settings_of(cfg: DraftConfig, s: SamplingConfig) -> P.DraftSettings:
-    return P.DraftSettings(cfg.depth, cfg.top_k, cfg.total_tokens, cfg.min_path_prob, cfg.sample,
-                           s.temperature, s.top_k, s.top_p, s.seed)
+    def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int):
+        if seq.sent == 0:
+            reply = self.client.draft(seq.tokens, budget, cfg, sampling)
+        else:
+            reply = self.client.draft(seq.tokens[seq.sent:], budget)
+        seq.sent = len(seq.tokens)
+        return reply

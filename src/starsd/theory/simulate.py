@@ -31,8 +31,9 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 
-from starsd import sysmodel
-from starsd.sysmodel import Profile
+from starsd.results import write_json
+from starsd.theory import sysmodel
+from starsd.theory.sysmodel import Profile
 
 WARMUP_ITERATIONS = 10  # iterations per target before the window opens (default horizon)
 WINDOW_ITERATIONS = 40  # iterations per target inside the measured window (default horizon)
@@ -330,8 +331,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"{args.for_targets} targets need {needed} {name} draft server(s) to keep "
               f"{args.quality:.0%} of a lone target's throughput")
     if args.json_out:
-        from starsd.bench.report import write_json
-
         write_json(args.json_out, {
             "benchmark": "simulate", "profile": p.to_json(), "serial": args.serial, "seed": args.seed,
             "results": [r.to_json() for r in results],

@@ -1,7 +1,11 @@
-"""Co-located decoding in one process: target-only, and speculative (draft -> verify -> accept).
+"""The decoding loops: target-only, and speculative (draft -> verify -> accept).
 
 Both loops share the target's forward pass and the sampling code, so greedy speculative output can
-be compared token for token with target-only output."""
+be compared token for token with target-only output. They work on interfaces, not on models:
+a target has `device`, `start`, `score` and `commit` (models.target.TargetModel, or a replay
+target); a drafter has `device`, `start` and `propose` (models.drafter.Drafter in this process,
+star.client.RemoteDrafter on a draft server). Each random generator lives on the device of the
+tensors it draws for."""
 
 from __future__ import annotations
 
@@ -10,10 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.models.drafter import Drafter
-from starsd.models.target import TargetModel
-from starsd.tree import DraftTree
-from starsd.verify import Verdict, make_generator, next_token, verify
+from starsd.spec.tree import DraftTree
+from starsd.spec.verify import Verdict, make_generator, next_token, verify
 
 
 @dataclass
@@ -45,11 +47,17 @@ def clip(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[list[
     return out, len(out) >= budget
 
 
-def target_only(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
+def require_prompt(prompt_ids: list[int]) -> None:
+    if not prompt_ids:
+        raise ValueError("empty prompt: at least one token is needed to condition on")
+
+
+def target_only(target, prompt_ids: list[int], max_new_tokens: int,
                 sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
                 deadline: float = math.inf) -> Generation:
+    require_prompt(prompt_ids)
     t0 = time.perf_counter()
-    gen = make_generator(sampling.seed)
+    gen = make_generator(sampling.seed, target.device)
     seq = target.start(prompt_ids)
     out: list[int] = []
     trace: list[tuple[float, int]] = []
@@ -67,14 +75,15 @@ def target_only(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
     return Generation(out, steps, seconds=time.perf_counter() - t0, trace=trace)
 
 
-def speculative(target: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
+def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int,
                 draft_cfg: DraftConfig, sampling: SamplingConfig,
                 eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf) -> Generation:
     """Draft -> verify -> accept until the budget, an EOS, or the first step ending past `deadline`
     (unix s; the generation so far is returned)."""
+    require_prompt(prompt_ids)
     t0 = time.perf_counter()
-    verify_gen = make_generator(sampling.seed)
-    draft_gen = make_generator(sampling.seed + 1)
+    verify_gen = make_generator(sampling.seed, target.device)
+    draft_gen = make_generator(sampling.seed + 1, drafter.device)
     seq = target.start(prompt_ids)
     dseq = drafter.start(prompt_ids)
     new_tokens: list[int] = []

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from starsd.config import SamplingConfig
-from starsd.tree import DraftTree, children
+from starsd.spec.tree import DraftTree, children
 
 
 def warp(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
@@ -54,7 +54,7 @@ def warp(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from [V] probabilities (need not be normalised)."""
+    """One token from [V] probabilities (need not be normalised); `generator` on probs' device."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
@@ -65,7 +65,8 @@ def next_token(logits: torch.Tensor, s: SamplingConfig, generator: torch.Generat
     return sample(warp(logits, s), generator)
 
 
-def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+def make_generator(seed: int, device: str | torch.device) -> torch.Generator:
+    """A seeded generator on `device`: it must live where the tensors it draws for live."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
@@ -112,7 +113,10 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
 
 def verify_stochastic(tree: DraftTree, target_probs: torch.Tensor,
                       generator: torch.Generator | None) -> Verdict:
-    """target_probs: [n+1, V] warped target distributions. Multi-round speculative sampling."""
+    """target_probs: [n+1, V] warped target distributions. Multi-round speculative sampling.
+    `generator` must be on target_probs' device; tree.q is moved there."""
+    device = target_probs.device  # the generator lives here too; q may arrive from elsewhere (the wire)
+    q = None if tree.q is None else tree.q.to(device)
     tokens = tree.tokens.tolist()
     kids = children(tree.parents)
     path: list[int] = []
@@ -122,12 +126,12 @@ def verify_stochastic(tree: DraftTree, target_probs: torch.Tensor,
         accepted = None
         for c in kids[row]:
             x = tokens[c]
-            qx = 1.0 if tree.q is None else float(tree.q[c, x])
-            u = float(torch.rand((), generator=generator))
+            qx = 1.0 if q is None else float(q[c, x])
+            u = float(torch.rand((), generator=generator, device=device))
             if u * qx < float(p[x]):  # accept with probability min(1, p(x) / q(x))
                 accepted = c
                 break
-            p = residual(p, x, None if tree.q is None else tree.q[c])
+            p = residual(p, x, None if q is None else q[c])
         if accepted is None:
             return Verdict(path, [tokens[c] for c in path] + [sample(p, generator)])
         path.append(accepted)

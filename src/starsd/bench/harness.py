@@ -1,0 +1,164 @@
+"""What the star benchmarks share (scale, replay-check, multihost): their common flags, the inputs of
+replay targets (a recording and a latency profile), a runner for one measured point, and small
+measurements. No benchmark imports another; they all import this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from starsd import config as C
+from starsd.bench import metrics
+from starsd.emulate.replay import LatencyProfile, Recording, measure_latency, record, recording_path
+from starsd.models.pair import Pair
+from starsd.prompts import load as load_prompts
+from starsd.star import protocol as P
+from starsd.star.client import DraftClient
+from starsd.star.launch import read_json_line, spawn
+
+WIDTHS = [1, 2, 3, 4, 6, 8, 11, 16]  # scored tokens per verify pass, for the measured latency profile
+
+
+def add_star_args(p: argparse.ArgumentParser, json_out: str) -> None:
+    """The flags of a benchmark that runs replay targets against a real draft server."""
+    p.add_argument("--targets", default="1,2,4,8,16,32,64", help="numbers of targets N, comma-separated")
+    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--limit", type=int, default=16, help="prompts recorded and cycled through")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--latency", default=None, help="a verify latency profile (JSON) for other target hardware; "
+                                                   "default: measured here on the real target")
+    p.add_argument("--warmup-s", type=float, default=20.0, help="seconds before the window opens (every "
+                   "target's first request prefills its prompt: at large N a serial server needs a while)")
+    p.add_argument("--measure-s", type=float, default=30.0, help="length of the measuring window")
+    p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=json_out)
+    C.add_flags(p, C.PairConfig)
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
+    p.set_defaults(dtype="bfloat16", threads=2)
+
+
+def numbers(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]."""
+    return [int(x) for x in text.split(",")]
+
+
+def server_config(args, serial: bool) -> C.ServerConfig:
+    return C.ServerConfig(serial=serial, max_batch=args.max_batch)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What every point needs: the recording, the latency profile, and the files that hold them."""
+
+    recording: Recording
+    recording_file: str
+    latency: LatencyProfile
+    latency_file: str
+    draft: C.DraftConfig
+
+
+def prepare(args) -> Inputs:
+    """Record the real target's continuations (cached) and measure its verify latency here (or
+    read --latency); the measured profile is written next to the JSON, as STEM-verify-latency.json."""
+    pair = C.from_args(C.PairConfig, args)
+    target_cfg = pair.target_model()
+    draft = C.from_args(C.DraftConfig, args, prefix="draft-")
+    prompts = load_prompts(args.prompts, args.limit)
+    rec = record(target_cfg, prompts, args.max_new_tokens, pair.cache, pair.threads)
+    rec_file = str(recording_path(target_cfg, prompts, args.max_new_tokens, pair.cache))
+    if args.latency:
+        return Inputs(rec, rec_file, LatencyProfile.load(args.latency), args.latency, draft)
+    target = Pair.load(target_cfg, None, pair.cache, pair.threads).target
+    prompt_ids = [p["prompt_ids"] for p in rec.prompts.values()]
+    by_length = sorted(prompt_ids, key=len)
+    spread = [by_length[0], by_length[len(by_length) // 2], by_length[-1]]  # short, median, long prompt
+    latency = measure_latency(target, [prompt_ids[0], *spread], WIDTHS, reps=10,
+                              source=f"measured: {target_cfg.path} {target_cfg.dtype}, {pair.threads} threads")
+    lat_file = Path(str(args.json_out).rsplit(".", 1)[0] + "-verify-latency.json")
+    lat_file.parent.mkdir(parents=True, exist_ok=True)
+    lat_file.write_text(json.dumps(latency.to_json(), indent=1))
+    return Inputs(rec, rec_file, latency, str(lat_file), draft)
+
+
+class Runner:
+    """Runs one point: a replay host with n targets against a draft server, over warm-up + window.
+    `prefix` runs the host through a wrapper (`ip netns exec NS`: the targets on another host)."""
+
+    def __init__(self, inputs: Inputs, args, prefix: list[str] = ()):
+        self.inputs = inputs
+        self.args = args
+        self.prefix = list(prefix)
+
+    def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None
+             ) -> tuple[list[dict], float]:
+        """Run n replay targets (for duration_s, default warm-up + window; 0: each decodes its share
+        of the prompts once); return their JSON rows and the unix time they were released."""
+        a = self.args
+        duration_s = a.warmup_s + a.measure_s if duration_s is None else duration_s
+        argv = ["replay-targets", "--connect", address, "--recording", self.inputs.recording_file,
+                "--latency", self.inputs.latency_file, "--targets", str(n), "--max-new-tokens", str(a.max_new_tokens),
+                "--duration-s", str(duration_s), "--wait-go", "--seed", str(a.seed),
+                *C.to_flags(self.inputs.draft, prefix="draft-"), *(["--no-spec"] if no_spec else [])]
+        proc = spawn(argv, self.prefix)
+        try:
+            read_json_line(proc, "ready", 120)
+            go = time.time()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out, _ = proc.communicate(timeout=(duration_s or 3600) + 300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        errors = [r["error"] for r in rows if "error" in r]
+        if proc.returncode or errors:
+            raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
+        return rows, go
+
+    def point(self, address: str | None, n: int, no_spec: bool = False) -> tuple[dict, list[metrics.Iteration]]:
+        """The figures of n targets over the window (address None: target-only, no server)."""
+        rows, go = self.host(address or "tcp://127.0.0.1:9", n, no_spec)
+        w0 = go + self.args.warmup_s
+        w1 = w0 + self.args.measure_s
+        timeline = None if address is None else server_stats(address, self.prefix)["timeline"]
+        its = metrics.iterations(rows)
+        return metrics.point(its, n, w0, w1, timeline), [it for it in its if w0 <= it.end <= w1]
+
+
+def server_stats(address: str, prefix: list[str] = (), ping: int = 0) -> dict:
+    """The draft server's counters, asked from where the targets are (`prefix`: another namespace)."""
+    if prefix:
+        argv = [*prefix, sys.executable, "-m", "starsd.cli", "stats", "--connect", address, "--ping", str(ping)]
+        return json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout)
+    client = DraftClient(address, "", "bench", timeout_s=30)
+    try:
+        stats = client.stats()
+        if ping:
+            stats["ping_ms"] = {"median": statistics.median(client.ping() for _ in range(ping))}
+        return stats
+    finally:
+        client.close()
+
+
+def serialisation_ms(depth: int, new_tokens: int) -> float:
+    """Encode + decode of one request and one chain reply of this size, both directions (ms)."""
+    tok = torch.arange(new_tokens, dtype=torch.int32)
+    tree = (torch.arange(depth, dtype=torch.int32), torch.arange(depth, dtype=torch.int32) - 1)
+    req = P.DraftRequest(1, 1, False, None, None, 100, P.specs(tok))
+    rep = P.DraftReply(1, 1, 0.0, 0.0, 1, P.specs(*tree))
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        P.decode([bytes(f) for f in P.encode(req, (tok,))])
+        P.decode([bytes(f) for f in P.encode(rep, tree)])
+    return (time.perf_counter() - t0) / n * 1e3

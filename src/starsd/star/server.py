@@ -1,0 +1,192 @@
+"""The draft server: one draft model serving many target workers (the hub of the star).
+
+Its parts (DESIGN.md, principles 1-3):
+- transport.py: the IO thread. Decodes and validates messages, answers heartbeats and stats, and
+  puts requests on Q_in; sends what the compute loop hands it.
+- sessions.py: per-target state under a session tag, and the rules a request must pass.
+- this module: the compute loop. It owns the draft model. Whenever Q_in holds a draft request it
+  drafts ALL pending sessions together, one batched forward pass per tree level (or, with
+  `serial`, one request at a time: the reference code's behaviour, kept as the baseline). Each
+  reply goes out as soon as its batch is done, so a slow target never holds up the others, and a
+  batch that fails is retried one request at a time, so a bad request costs only itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from starsd.config import MAX_DRAFT_NODES, ServerConfig
+from starsd.models.drafter import DraftJob, Drafter
+from starsd.star import protocol as P
+from starsd.star.sessions import Refused, Session, Sessions
+from starsd.star.stats import ServerStats
+from starsd.star.transport import Outbox, Request, Transport
+
+log = logging.getLogger("starsd.server")
+
+
+class DraftServer:
+    def __init__(self, drafter: Drafter, fingerprint: str, vocab_size: int, cfg: ServerConfig,
+                 name: str = "starsd-draft"):
+        self.drafter = drafter
+        self.cfg = cfg
+        self.name = name
+        self.stats = ServerStats()
+        self.sessions = Sessions(cfg, drafter, fingerprint, vocab_size, self.stats)
+        self.q_in: queue.Queue[Request] = queue.Queue()
+        self.transport = Transport(cfg.bind, self.q_in, self.stats, cfg.queue_limit, self.sessions.heartbeat,
+                                   self._stats_json)
+        self.stopping = self.transport.stopping
+        self._deferred: list[Request] = []  # a session's later request waits for its earlier one's batch
+        self._stats_cache = "{}"
+        self._stats_at = -1.0
+        self._outbox: Outbox | None = None
+
+    def serve(self, on_ready=None) -> None:
+        """Run until stop(): the IO thread in the background, the compute loop here. Call this from
+        the main thread in production: torch's OpenMP kernels ran ~40% slower from another thread here."""
+        self.transport.start()
+        if on_ready:
+            on_ready()
+        self._outbox = self.transport.outbox()
+        log.info("draft server %s listening on %s (%s)", self.name, self.cfg.bind,
+                 "serial" if self.cfg.serial else "batched")
+        last_reap = time.monotonic()
+        try:
+            while not self.stopping.is_set():
+                self._handle(self._next_round())
+                if time.monotonic() - last_reap > 1.0:
+                    self.sessions.reap()
+                    last_reap = time.monotonic()
+        finally:
+            self.stopping.set()
+            self._outbox.close()
+            self.transport.stop()
+
+    def start(self) -> threading.Thread:
+        """serve() on a thread of its own (tests, embedding); returns once the socket is bound."""
+        bound = threading.Event()
+        failure: list[BaseException] = []
+
+        def run():
+            try:
+                self.serve(on_ready=bound.set)
+            except BaseException as e:
+                failure.append(e)
+                bound.set()
+
+        t = threading.Thread(target=run, name="starsd-compute", daemon=True)
+        t.start()
+        bound.wait()
+        if failure:
+            raise RuntimeError(str(failure[0]))
+        return t
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _stats_json(self) -> str:
+        """The counters as JSON, from a copy at most 0.2 s old: a flood of StatsRequests stays cheap."""
+        now = time.monotonic()
+        if now - self._stats_at > 0.2:
+            self._stats_cache = json.dumps(self.stats.snapshot(len(self.sessions)))
+            self._stats_at = now
+        return self._stats_cache
+
+    def _next_round(self) -> list[Request]:
+        """The requests deferred from the last round, then everything in Q_in (waiting a little
+        for the first one when there is nothing else to do)."""
+        pending = self._deferred
+        self._deferred = []
+        try:
+            pending.append(self.q_in.get(timeout=0 if pending else 0.2))
+        except queue.Empty:
+            return pending
+        while True:
+            try:
+                pending.append(self.q_in.get_nowait())
+            except queue.Empty:
+                return pending
+
+    def _handle(self, pending: list[Request]) -> None:
+        drafts: list[tuple[Session, Request]] = []
+        in_round: set[int] = set()
+        for req in pending:
+            if isinstance(req.msg, P.DraftRequest) and req.msg.tag in in_round:
+                self._deferred.append(req)  # one request per session per batch, in order
+                continue
+            s = self._take(req)
+            if s is not None:
+                in_round.add(s.tag)
+                drafts.append((s, req))
+        size = 1 if self.cfg.serial else self.cfg.max_batch
+        for i in range(0, len(drafts), size):
+            if self.stopping.is_set():  # stop within one batch, however long the queue
+                return
+            self._draft(drafts[i:i + size])
+
+    def _take(self, req: Request) -> Session | None:
+        """Handle one message; return its session when it is a draft request to serve."""
+        msg = req.msg
+        try:
+            if isinstance(msg, P.Hello):
+                s = self.sessions.open(req.peer, msg)
+                self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES))
+            elif isinstance(msg, P.Bye):
+                self.sessions.free(self.sessions.owned(req.peer, msg.tag), "bye")
+            else:
+                self.stats.count("requests")
+                return self.sessions.admit(req.peer, msg, req.tensors[0])
+        except Refused as r:
+            self._refuse(req, r.code, str(r))
+        except Exception as e:  # a request that breaks its handling costs only itself
+            log.exception("request failed")
+            self._refuse(req, "internal", str(e)[:200])
+        return None
+
+    def _refuse(self, req: Request, code: str, message: str) -> None:
+        tag = getattr(req.msg, "tag", 0)
+        self.stats.error(code)
+        log.warning("refused a message of session %x: %s [%s]", tag, message, code)
+        self._outbox.send(req.peer, P.Error(code, message, tag, getattr(req.msg, "step", -1)))
+
+    def _draft(self, items: list[tuple[Session, Request]]) -> None:
+        start = time.perf_counter()
+        jobs = [DraftJob(s.seq, [] if r.msg.reset else r.tensors[0].tolist(), s.draft, s.sampling, s.generator,
+                         max_depth=r.msg.budget - 1) for s, r in items]
+        states = [None if s.generator is None else s.generator.get_state() for s, _ in items]
+        try:
+            trees = self.drafter.propose_batch(jobs)
+        except Exception:
+            return self._isolate(items, states)
+        end = time.perf_counter()
+        self.stats.batch(start, end, len(items))
+        for (s, r), tree in zip(items, trees):
+            tensors = [tree.tokens.to(torch.int32), tree.parents.to(torch.int32)]
+            if tree.q is not None:
+                tensors.append(tree.q.float())
+            reply = P.DraftReply(s.tag, r.msg.step, (start - r.received) * 1e3, (end - start) * 1e3, len(items),
+                                 P.specs(*tensors))
+            self._outbox.send(s.peer, reply, tuple(tensors))
+            self.stats.count("replies")
+
+    def _isolate(self, items: list[tuple[Session, Request]], states: list) -> None:
+        """A failed batch: retry its requests one by one, so only the culprit fails. The drafter
+        has left every sequence as it was; the generators are rewound here."""
+        log.exception("batch of %d failed%s", len(items), "; retrying one by one" if len(items) > 1 else "")
+        if len(items) > 1:
+            for (s, _), state in zip(items, states):
+                if state is not None:  # the failed pass may have drawn from it
+                    s.generator.set_state(state)
+            for item in items:
+                self._draft([item])
+            return
+        s, r = items[0]
+        s.seq = None  # its draft state may be half-updated: require a reset
+        self._refuse(r, "reset_required", "drafting failed; resend the whole sequence with reset")

@@ -1,0 +1,138 @@
+"""Sessions: the per-target state of a draft server, and the rules a draft request must pass.
+
+A handshake (Hello) binds a fresh random tag to the peer's connection; all draft state of that
+target (its draft KV cache, its committed tokens, its settings and random generator) lives under
+the tag, and a request is honoured only from the connection that owns it, so sessions never see or
+disturb each other. A session's `next_step` advances by one per request taken; a refused request
+is not taken and leaves it where it was. A session is freed on Bye, on a second Hello from its
+connection, or once neither a request nor a heartbeat has come for session_timeout_s.
+
+Only the compute loop calls these methods, except `heartbeat` (the IO thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig, ServerConfig
+from starsd.models.drafter import Drafter, DraftSequence
+from starsd.spec.verify import make_generator
+from starsd.star import protocol as P
+from starsd.star.stats import ServerStats
+
+log = logging.getLogger("starsd.sessions")
+
+
+class Refused(Exception):
+    """A message the server answers with an Error and does not take. `code` names the kind."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Session:
+    tag: int
+    peer: bytes  # the ZeroMQ routing id of the target's connection
+    name: str
+    seq: DraftSequence | None = None  # draft state; None until a reset request, or after a failure
+    draft: DraftConfig | None = None
+    sampling: SamplingConfig | None = None
+    generator: torch.Generator | None = None  # draws sampled drafts; on the drafter's device
+    next_step: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class Sessions:
+    def __init__(self, cfg: ServerConfig, drafter: Drafter, fingerprint: str, vocab_size: int, stats: ServerStats):
+        self.cfg = cfg
+        self.drafter = drafter
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+        self.stats = stats
+        self._by_tag: dict[int, Session] = {}
+        self._by_peer: dict[bytes, int] = {}
+        self._pinged: dict[int, float] = {}  # tag -> last heartbeat (monotonic s), written by the IO thread
+
+    def __len__(self) -> int:
+        return len(self._by_tag)
+
+    def __contains__(self, tag: int) -> bool:
+        return tag in self._by_tag
+
+    def open(self, peer: bytes, hello: P.Hello) -> Session:
+        """A new session for this connection (replacing its old one). Raises Refused."""
+        if hello.version != P.PROTOCOL_VERSION:
+            raise Refused("version", f"protocol version {hello.version} is not supported; "
+                          f"this server speaks version {P.PROTOCOL_VERSION}")
+        if hello.fingerprint != self.fingerprint:
+            raise Refused("vocab_mismatch", f"vocabulary fingerprint {hello.fingerprint[:12]} differs from the "
+                          f"draft model's {self.fingerprint[:12]}: target and draft need one shared tokenizer")
+        old = self._by_peer.get(peer)
+        if old is not None:  # one session per connection: a second hello replaces the first
+            self.free(self._by_tag[old], "replaced")
+        if len(self._by_tag) >= self.cfg.max_sessions:
+            raise Refused("too_many_sessions", f"the draft server holds its maximum of {self.cfg.max_sessions} "
+                          "sessions; retry later or use another draft server")
+        s = Session(secrets.randbits(62) + 1, peer, hello.name)
+        self._by_tag[s.tag] = s
+        self._by_peer[peer] = s.tag
+        self.stats.count("sessions_opened")
+        log.info("session %x opened for %s", s.tag, s.name)
+        return s
+
+    def owned(self, peer: bytes, tag: int) -> Session:
+        """The session `tag`, if this connection owns it. Raises Refused."""
+        s = self._by_tag.get(tag)
+        if s is None or s.peer != peer:
+            raise Refused("unknown_session", f"no session {tag:x} on this connection; say hello first")
+        s.last_seen = time.monotonic()
+        return s
+
+    def admit(self, peer: bytes, msg: P.DraftRequest, tokens: torch.Tensor) -> Session:
+        """Check a draft request against its session and apply a reset; the request is taken
+        (next_step advances) only if nothing is refused. Raises Refused."""
+        s = self.owned(peer, msg.tag)
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise Refused("bad_tokens", f"token ids must lie in [0, {self.vocab_size})")
+        if msg.reset:
+            s.draft = msg.draft
+            s.sampling = msg.sampling
+            s.generator = make_generator(msg.sampling.seed + 1, self.drafter.device)
+            s.seq = self.drafter.start(tokens.tolist())
+            s.next_step = msg.step
+        elif s.seq is None:
+            raise Refused("reset_required", "this session has no draft state: send a reset request")
+        if len(s.seq.tokens) + (0 if msg.reset else tokens.shape[0]) > self.cfg.max_context:
+            s.seq = None
+            raise Refused("context_full", f"the session would exceed {self.cfg.max_context} tokens")
+        if msg.step != s.next_step:
+            raise Refused("bad_step", f"expected step {s.next_step}, got {msg.step}")
+        s.next_step += 1
+        return s
+
+    def heartbeat(self, tag: int) -> None:
+        """A Ping with this tag came in (IO thread): the target is alive. The tag is the proof."""
+        if tag in self._by_tag:
+            self._pinged[tag] = time.monotonic()
+
+    def free(self, s: Session, why: str) -> None:
+        self._by_tag.pop(s.tag, None)
+        self._pinged.pop(s.tag, None)
+        if self._by_peer.get(s.peer) == s.tag:
+            del self._by_peer[s.peer]
+        self.stats.count("sessions_freed")
+        log.info("session %x of %s freed (%s)", s.tag, s.name, why)
+
+    def reap(self) -> None:
+        """Free every session whose target has been silent for session_timeout_s."""
+        now = time.monotonic()
+        for s in list(self._by_tag.values()):
+            if now - max(s.last_seen, self._pinged.get(s.tag, 0.0)) > self.cfg.session_timeout_s:
+                self.free(s, "timed out")

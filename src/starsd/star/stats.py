@@ -1,0 +1,71 @@
+"""What a draft server counts, and how its timeline of batches is read.
+
+The timeline holds one (start, end, batch size) entry per draft batch, in unix seconds, so that
+it can be compared with the targets' own clocks (another process, the same machine or NTP).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+
+class ServerStats:
+    """Counters of one draft server; `snapshot()` is what a StatsRequest returns (as JSON).
+    Written by the compute loop and the IO thread, read by either: every access holds the lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+        self.errors: collections.Counter = collections.Counter()
+        self.batch_sizes: collections.Counter = collections.Counter()
+        self.requests = 0
+        self.replies = 0
+        self.sessions_opened = 0
+        self.sessions_freed = 0
+        self.busy_s = 0.0
+        self.hops = 0
+        self.hop_s = 0.0
+        self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed."""
+        with self.lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def batch(self, start: float, end: float, size: int) -> None:
+        """A draft batch of `size` sessions ran from `start` to `end` (time.perf_counter())."""
+        with self.lock:
+            self.batch_sizes[size] += 1
+            self.busy_s += end - start
+            wall = time.time() - time.perf_counter()  # perf_counter -> wall clock, comparable across processes
+            self.timeline.append((round(start + wall, 6), round(end + wall, 6), size))
+
+    def hop(self, seconds: float) -> None:
+        """A reply's trip from the compute loop through the IO thread onto the socket."""
+        with self.lock:
+            self.hops += 1
+            self.hop_s += seconds
+
+    def error(self, code: str) -> None:
+        with self.lock:
+            self.errors[code] += 1
+
+    def snapshot(self, sessions_open: int) -> dict:
+        with self.lock:
+            elapsed = time.monotonic() - self.started
+            return {
+                "uptime_s": elapsed, "busy_s": self.busy_s, "utilization": self.busy_s / elapsed if elapsed else 0.0,
+                "requests": self.requests, "replies": self.replies, "errors": dict(self.errors),
+                "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
+                "sessions_freed": self.sessions_freed, "timeline": list(self.timeline),
+                "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0,
+            }
+
+
+def busy_fraction(timeline: list, start: float, end: float) -> float:
+    """Share of [start, end] (unix s) during which the draft server was drafting."""
+    busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b, *_ in timeline)
+    return busy / (end - start) if end > start else 0.0

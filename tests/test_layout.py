@@ -1,0 +1,68 @@
+"""The architecture as rules a test can check: which part may import which, and what the light
+commands load. A newcomer finds each part by its folder; no part reaches into a higher one."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import starsd
+
+ROOT = Path(starsd.__file__).parent
+BASE = {"config", "errors", "prompts", "results"}
+ALLOWED = {  # part -> the parts it may import besides itself
+    "config": set(), "errors": set(), "prompts": set(), "results": set(),
+    "theory": {"results"},  # analytical model and simulator: arithmetic, no torch
+    "spec": {"config", "errors"},  # the speculative core: pure tensor code
+    "models": BASE | {"spec"},
+    "star": BASE | {"spec", "models"},
+    "emulate": BASE | {"theory", "spec", "models", "star"},
+    "bench": BASE | {"theory", "spec", "models", "star", "emulate"},
+    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "bench"},
+}
+
+
+def part(module: str) -> str:
+    """starsd.star.server -> star; starsd.config -> config."""
+    return module.split(".")[1]
+
+
+def imports(path: Path) -> set[str]:
+    """Every starsd module a file imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("starsd.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("starsd"):
+            if node.module == "starsd":  # from starsd import config
+                found |= {f"starsd.{a.name}" for a in node.names}
+            else:
+                found.add(node.module)
+    return found
+
+
+def test_no_part_imports_a_higher_one():
+    broken = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = "starsd." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if module == "starsd.__init__":
+            continue
+        mine = part(module)
+        assert mine in ALLOWED, f"{module}: a part the rules do not know; add it to ALLOWED"
+        broken += [f"{module} imports {m}" for m in imports(path) if part(m) not in ALLOWED[mine] | {mine}]
+    assert not broken, "\n".join(broken)
+
+
+def test_arithmetic_commands_load_no_torch_transformers_or_zmq(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"service_ms": {"1": 100.0, "8": 300.0}, "return_ms": 200.0,
+                                   "tokens_per_iteration": 4.0, "target_only_ms_per_token": 150.0, "max_batch": 8}))
+    probe = ("import sys; from starsd.cli import main; "
+             f"rc = main(sys.argv[1:]); heavy = [m for m in ('torch', 'transformers', 'zmq') if m in sys.modules]; "
+             "print('HEAVY', heavy); sys.exit(rc)")
+    for argv in (["model", "--from", str(profile), "--targets", "1,4"],
+                 ["simulate", "--from", str(profile), "--targets", "1,4"]):
+        run = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "HEAVY []" in run.stdout, (argv[0], run.stdout[-300:])
