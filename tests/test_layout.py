@@ -66,3 +66,15 @@ def test_arithmetic_commands_load_no_torch_transformers_or_zmq(tmp_path):
         run = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         assert "HEAVY []" in run.stdout, (argv[0], run.stdout[-300:])
+
+
+def test_auto_dtype_follows_the_hardware():
+    """bf16 only where it is computed natively: on an AVX2-only CPU it is emulated, several times slower."""
+    from starsd.config import PairConfig, resolve_dtype
+
+    assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("auto", "cuda:1") == "bfloat16"
+    with open("/proc/cpuinfo") as f:
+        native = any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    pair = PairConfig(device="cpu", draft_device="cuda", draft_quantize="none")
+    assert pair.target_model().dtype == resolve_dtype("auto", "cpu") and pair.draft_model().dtype == "bfloat16"

@@ -23,13 +23,15 @@ def pair():
     return Pair.load(cfg.target_model(), cfg.draft_model(), threads=2)
 
 
-@pytest.mark.parametrize("prompt", [
-    Prompt("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", chat=False),
-    Prompt("chat", "Write a Python function that checks whether a string is a palindrome.", chat=True),
-], ids=lambda p: p.id)
-def test_real_pair_greedy_is_lossless(pair, prompt):
-    ref = pair.generate(prompt, 40, SamplingConfig(), None)
-    for draft in (DraftConfig(depth=5, min_path_prob=0.0), DraftConfig(depth=4, top_k=2, total_tokens=6)):
-        got = pair.generate(prompt, 40, SamplingConfig(), draft)
-        assert got.token_ids == ref.token_ids
-        assert got.mean_accepted > 0.5  # the real draft does help
+@pytest.mark.parametrize("prompt, draft", [
+    (Prompt("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", chat=False),
+     DraftConfig(depth=5, min_path_prob=0.0)),
+    (Prompt("chat", "Write a Python function that checks whether a string is a palindrome.", chat=True),
+     DraftConfig(depth=4, top_k=2, total_tokens=6)),
+], ids=["code-chain", "chat-tree"])
+def test_real_pair_greedy_is_lossless(pair, prompt, draft):
+    """One draft shape per prompt: fp32 on this CPU costs minutes per generation of the 1.5B."""
+    ref = pair.generate(prompt, 32, SamplingConfig(), None)
+    got = pair.generate(prompt, 32, SamplingConfig(), draft)
+    assert got.token_ids == ref.token_ids
+    assert got.mean_accepted > 0.5  # the real draft does help

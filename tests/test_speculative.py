@@ -148,9 +148,9 @@ def test_hidden_states_come_with_scores(tiny_target):
 def test_int8_quantised_draft_is_lossless(tiny_target):
     """A dynamically quantised draft proposes different tokens, never different output."""
     from starsd.models.drafter import Drafter
+    from starsd.models.loading import quantize_int8
 
-    quantised = Drafter(torch.ao.quantization.quantize_dynamic(tiny.perturbed(tiny_target.model, 7, 0.1),
-                                                               {torch.nn.Linear}, dtype=torch.qint8))
+    quantised = Drafter(quantize_int8(tiny.perturbed(tiny_target.model, 7, 0.1)))
     for prompt in PROMPTS:
         ref = target_only(tiny_target, prompt, 30, GREEDY)
         for draft in (DraftConfig(depth=4, **FULL), DraftConfig(depth=3, top_k=2, **FULL)):

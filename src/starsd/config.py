@@ -27,6 +27,22 @@ MAX_SEED = (1 << 63) - 2  # a draft generator is seeded with seed + 1, which mus
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto` becomes bfloat16 where the hardware computes it natively (a CUDA device, or a CPU with
+    AVX512-BF16 or AMX) and float32 elsewhere: a CPU without them emulates bf16, several times slower
+    (on an AVX2-only CPU a 150-token prefill of the 1.5B target took 46 s in bf16, 8 s in fp32)."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cpu"):
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return "float32"
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
 def setting(default, help: str, **kw):
     """A dataclass field with its documentation (the flag's help); `choices` limits a flag's values."""
     return field(default=default, metadata={"help": help, **kw})
@@ -61,7 +77,8 @@ class PairConfig:
     device: str = setting("cpu", "torch device of the models: cpu, cuda, cuda:1, ... (the draft's too, "
                           "unless --draft-device)")
     draft_device: str = setting("", "torch device of the draft model (empty: --device)")
-    dtype: str = setting("bfloat16", "float32 (bit-exact) or bfloat16 (fast)", choices=DTYPES)
+    dtype: str = setting("auto", "float32 (bit-exact), bfloat16, or auto: bfloat16 where the hardware computes "
+                         "it natively (CUDA, a CPU with AVX512-BF16 or AMX), else float32", choices=("auto", *DTYPES))
     draft_quantize: str = setting("auto", "draft weights: int8 (dynamic int8 linear layers, ~3x faster draft "
                                   "passes on a CPU; lossless, the target verifies every draft), none, or auto: "
                                   "int8 on a CPU, none elsewhere", choices=("auto", "none", "int8"))
@@ -76,14 +93,14 @@ class PairConfig:
 
     def target_model(self) -> ModelConfig:
         """The target runs as given: it is never quantised."""
-        return ModelConfig(self.target, self.device, self.dtype)
+        return ModelConfig(self.target, self.device, resolve_dtype(self.dtype, self.device))
 
     def draft_model(self) -> ModelConfig:
         device = self.draft_device or self.device
         quantize = self.draft_quantize
         if quantize == "auto":
             quantize = "int8" if device.startswith("cpu") else "none"
-        return ModelConfig(self.draft, device, self.dtype, quantize)
+        return ModelConfig(self.draft, device, resolve_dtype(self.dtype, device), quantize)
 
     @property
     def cache(self) -> str | None:

@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(dtype="bfloat16", threads=2)
+    p.set_defaults(threads=2)
 
 
 def hf_assisted(pair: Pair, ids: list[int], max_new_tokens: int, num_assistant_tokens: int) -> tuple[list[int], float]:
@@ -98,7 +98,7 @@ def main(args) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     result = run(pair, prompts, args.max_new_tokens, draft, not args.no_hf)
     result = {
-        "benchmark": "colocated", "target": args.target, "draft": args.draft, "dtype": args.dtype,
+        "benchmark": "colocated", "target": args.target, "draft": args.draft, "dtype": cfg.target_model().dtype,
         "device": args.device, "threads": torch.get_num_threads(), "prompt_set": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "draft_config": {"depth": draft.depth, "top_k": draft.top_k, "total_tokens": draft.max_nodes},
@@ -111,7 +111,7 @@ def main(args) -> int:
         labels.append(f"HF assisted ({draft.depth} tokens)")
         values.append(result["hf_assisted_tokens_per_s"])
     bar_plot(args.plot_out or str(args.json_out).rsplit(".", 1)[0] + ".png", labels, values,
-             ylabel="tokens / s", title=f"Co-located decoding, {len(prompts)} {args.prompts} prompts, {args.dtype}")
+             ylabel="tokens / s", title=f"Co-located decoding, {len(prompts)} {args.prompts} prompts, {cfg.target_model().dtype}")
     keys = ("target_only_tokens_per_s", "spec_tokens_per_s", "hf_assisted_tokens_per_s", "speedup",
             "hf_assisted_speedup", "mean_accepted", "greedy_identical_prompts")
     print({k: round(result[k], 3) for k in keys if k in result})

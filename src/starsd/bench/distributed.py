@@ -36,7 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot-out", default=None)
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(dtype="bfloat16", threads=2)
+    p.set_defaults(threads=2)
 
 
 def zmq_echo_ms(rounds: int = 2000) -> float:
@@ -104,7 +104,7 @@ def main(args) -> int:
     mean_new = sum(r["distributed"]["tokens"] for r in rows) / steps
     ser = serialisation_ms(draft.depth, round(mean_new))
     result = {
-        "benchmark": "distributed", "target": args.target, "draft": args.draft, "dtype": args.dtype,
+        "benchmark": "distributed", "target": args.target, "draft": args.draft, "dtype": cfg.target_model().dtype,
         "threads": args.threads, "num_prompts": len(rows), "max_new_tokens": args.max_new_tokens,
         "draft_config": {"depth": draft.depth, "top_k": draft.top_k, "min_path_prob": draft.min_path_prob},
         "colocated_tokens_per_s": rate["colocated"], "distributed_tokens_per_s": rate["distributed"],
@@ -125,7 +125,7 @@ def main(args) -> int:
     write_json(args.json_out, result)
     bar_plot(args.plot_out or str(args.json_out).rsplit(".", 1)[0] + ".png",
              ["co-located spec", "distributed spec (loopback)"], [rate["colocated"], rate["distributed"]],
-             ylabel="tokens / s", title=f"One target: co-located vs draft server over loopback ({args.dtype})")
+             ylabel="tokens / s", title=f"One target: co-located vs draft server over loopback ({cfg.target_model().dtype})")
     keys = ("colocated_tokens_per_s", "distributed_tokens_per_s", "throughput_ratio", "overhead_ms_per_iteration",
             "serialisation_ms_per_iteration", "transport_ms_per_iteration", "server_reply_hop_ms",
             "zmq_loopback_echo_ms", "outputs_identical")

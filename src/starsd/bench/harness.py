@@ -44,7 +44,7 @@ def add_star_args(p: argparse.ArgumentParser, json_out: str) -> None:
     p.add_argument("--json-out", default=json_out)
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(dtype="bfloat16", threads=2)
+    p.set_defaults(threads=2)
 
 
 def numbers(text: str) -> list[int]:

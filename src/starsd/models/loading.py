@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,9 +49,23 @@ def load_model(cfg: ModelConfig, cache: str | None = None) -> torch.nn.Module:
     except Exception as e:
         raise ModelLoadError(_not_found(cfg.path, e)) from e
     model = model.to(cfg.device).eval()
-    if cfg.quantize == "int8":  # int8 weights, float32 activations: ~3x faster draft passes on a CPU
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    if cfg.quantize == "int8":
+        model = quantize_int8(model)
     return model
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Dynamic int8 weights (float32 activations) for every linear layer: ~3x faster draft passes
+    on a CPU, and lossless for a draft, since the target verifies every token.
+
+    torch 2.13 marks torch.ao.quantization deprecated in favour of torchao. torchao 0.18 measured
+    5-9x slower than this path for the 0.5B draft on this CPU (AVX2, eager: one decode step 467 ms
+    for int8 dynamic activations + int8 weights, 398-721 ms for int8 weight-only, against 82 ms
+    here), so this path stays, its deprecation warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.ao")
+        warnings.filterwarnings("ignore", message=r".*quantize_per_tensor.*")
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def _not_found(path: str, e: Exception) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -38,9 +39,11 @@ def _die_with_parent() -> None:
 
 
 def spawn(args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
-    """`starsd ARGS` as a child; `prefix` runs it through a wrapper (e.g. `ip netns exec NS`)."""
+    """`starsd ARGS` as a child; `prefix` runs it through a wrapper (e.g. `ip netns exec NS`).
+    Its stderr is the launcher's; loading progress bars of several children would only garble it."""
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     return subprocess.Popen([*prefix, sys.executable, "-m", "starsd.cli", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+                            stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent, env=env)
 
 
 def read_json_line(proc: subprocess.Popen, key: str, timeout_s: float) -> dict:
@@ -185,7 +188,7 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
         names = list(summary["per_target"])
         bar_plot(str(json_out).rsplit(".", 1)[0] + ".png", [*names, "system"],
                  [*(summary["per_target"][k]["tokens_per_s"] for k in names), summary["system_tokens_per_s"]],
-                 ylabel="tokens / s", title=f"Local star: 1 draft server, {n} targets ({pair.dtype})")
+                 ylabel="tokens / s", title=f"Local star: 1 draft server, {n} targets ({pair.target_model().dtype})")
         settings = {"pair": dataclasses.asdict(pair), "server": dataclasses.asdict(server), "targets": n,
                     "prompts": prompt_set, "limit": num_prompts, "max_new_tokens": max_new_tokens,
                     "target_extra": list(target_extra)}
