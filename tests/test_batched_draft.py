@@ -58,3 +58,40 @@ def test_batch_of_sampled_chains_is_seeded(tiny_drafters):
     solo = drafter.propose(drafter.start([5, 6, 7]), [], cfg, s, make_generator(10, "cpu"))
     assert torch.equal(solo.tokens, a[0].tokens)
     torch.testing.assert_close(solo.q, a[0].q)
+
+
+def _accept(tree, rng) -> list[int]:
+    """What verification commits: a path from the root (followed by chance) and one more token."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    path, node = [], -1
+    while True:
+        kids = [c for c, p in enumerate(parents) if p == node]
+        if not kids or rng.random() < 0.25:
+            return path + [rng.randrange(1, 128)]
+        node = rng.choice(kids)
+        path.append(tokens[node])
+
+
+@pytest.mark.parametrize("cfg", [DraftConfig(depth=5, min_path_prob=0.0),
+                                 DraftConfig(depth=4, top_k=3, total_tokens=8, min_path_prob=0.0)],
+                         ids=["chain", "tree"])
+def test_accepted_nodes_are_reused_not_recomputed(tiny_drafters, cfg):
+    """The keys and values of accepted draft nodes are moved into place, not ingested again: the
+    next draft is the one a fresh sequence holding the same tokens gets, and the batch path agrees."""
+    drafter: Drafter = tiny_drafters["good"]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 128) for _ in range(n)] for n in (5, 17, 9)]
+    seqs = [drafter.start(p) for p in prompts]
+    alone = [drafter.start(p) for p in prompts]
+    pending = [[] for _ in prompts]
+    reused = 0
+    for step in range(6):
+        trees = drafter.propose_batch([DraftJob(s, list(new), cfg, GREEDY) for s, new in zip(seqs, pending)])
+        for i, tree in enumerate(trees):
+            assert _trees_equal(tree, drafter.propose(alone[i], list(pending[i]), cfg, GREEDY)), (step, i)
+            fresh = drafter.propose(drafter.start(list(seqs[i].tokens)), [], cfg, GREEDY)
+            assert _trees_equal(tree, fresh), (step, i)
+        pending = [_accept(t, rng) for t in trees]
+        reused += sum(len(p) - 1 for p in pending)
+        assert all(s.kept for s in seqs)
+    assert reused > 10 and all(s.cached == len(s.tokens) for s in seqs)

@@ -160,3 +160,18 @@ def test_service_table_from_the_server_timeline():
     table = metrics.service_table(pairs)
     assert set(table) == {1, 4}  # size 9 was seen once: left to interpolation
     assert table[4] == pytest.approx(433.333, rel=1e-3)
+
+
+def test_service_benchmark_measures_s_of_b_against_the_bound(tmp_path):
+    t, d = tiny.save_pair(tmp_path)
+    out = tmp_path / "service.json"
+    cmd = [sys.executable, "-m", "starsd.cli", "bench", "service", "--target", t, "--draft", d, "--dtype", "float32",
+           "--draft-quantize", "none", "--threads", "1", "--sizes", "1,3", "--limit", "3", "--max-new-tokens", "24",
+           "--reps", "2", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["by_batch"]
+    assert set(rows) == {"1", "3"} and rows["1"]["vs_one"] == 1.0
+    for r in rows.values():
+        assert r["service_ms"] > 0 and r["bound_ms"] > 0 and r["samples"] >= 2
+    assert (tmp_path / "service.png").stat().st_size > 1000

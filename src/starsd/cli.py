@@ -252,6 +252,8 @@ COMMANDS = {  # name: (help, flags, run)
 BENCHES = {  # name: (help, module with add_args and main)
     "colocated": ("target-only vs speculative vs HF assisted, one process", "starsd.bench.colocated"),
     "distributed": ("one target: draft server over loopback vs co-located", "starsd.bench.distributed"),
+    "service": ("the draft server's batch time S(b) by batch size, against the bare model's passes",
+                "starsd.bench.service"),
     "scale": ("throughput, utilisation and latency vs N targets (replay targets), with baselines",
               "starsd.bench.scale"),
     "replay-check": ("replay targets vs real target processes at small N (emulation check)",

@@ -18,9 +18,13 @@ import torch
 
 from starsd import config as C
 from starsd.bench import metrics
-from starsd.emulate.replay import LatencyProfile, Recording, measure_latency, record, recording_path
+from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget, measure_latency, record, recording_path
+from starsd.models import forward as fw
+from starsd.models.drafter import DraftJob, Drafter, Pass
+from starsd.models.kv import KV
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
+from starsd.spec.verify import verify_greedy
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
 from starsd.star.launch import read_json_line, spawn
@@ -73,9 +77,7 @@ def prepare(args) -> Inputs:
     pair = C.from_args(C.PairConfig, args)
     target_cfg = pair.target_model()
     draft = C.from_args(C.DraftConfig, args, prefix="draft-")
-    prompts = load_prompts(args.prompts, args.limit)
-    rec = record(target_cfg, prompts, args.max_new_tokens, pair.cache, pair.threads)
-    rec_file = str(recording_path(target_cfg, prompts, args.max_new_tokens, pair.cache))
+    rec, rec_file = recording(args)
     if args.latency:
         return Inputs(rec, rec_file, LatencyProfile.load(args.latency), args.latency, draft)
     target = Pair.load(target_cfg, None, pair.cache, pair.threads).target
@@ -88,6 +90,14 @@ def prepare(args) -> Inputs:
     lat_file.parent.mkdir(parents=True, exist_ok=True)
     lat_file.write_text(json.dumps(latency.to_json(), indent=1))
     return Inputs(rec, rec_file, latency, str(lat_file), draft)
+
+
+def recording(args) -> tuple[Recording, str]:
+    """The real target's greedy continuations of the prompts (recorded once, then cached), and their file."""
+    pair = C.from_args(C.PairConfig, args)
+    prompts = load_prompts(args.prompts, args.limit)
+    rec = record(pair.target_model(), prompts, args.max_new_tokens, pair.cache, pair.threads)
+    return rec, str(recording_path(pair.target_model(), prompts, args.max_new_tokens, pair.cache))
 
 
 class Runner:
@@ -162,3 +172,70 @@ def serialisation_ms(depth: int, new_tokens: int) -> float:
         P.decode([bytes(f) for f in P.encode(req, (tok,))])
         P.decode([bytes(f) for f in P.encode(rep, tree)])
     return (time.perf_counter() - t0) / n * 1e3
+
+
+def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.DraftConfig,
+                    reps: int = 3, rows_per_size: int = 8) -> dict[int, dict[str, list[float]]]:
+    """S(b) and its bound, in ms, for each batch size b. S(b) is the wall time of one batched draft
+    of b sessions in steady state: each session is a recorded prompt fed its real accepted tokens
+    (a replay target with no latency verifies). The bound is the bare model running the same
+    passes right after (`bound_ms`). A batch drafts as deep as its deepest row needs, so small
+    batches are measured on several disjoint groups of prompts (at least rows_per_size rows in all)."""
+    prompts = [p["prompt_ids"] for p in rec.prompts.values() if len(p["continuation"]) == rec.max_new_tokens]
+    if not prompts:
+        raise ValueError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
+    out = {}
+    for b in sizes:
+        out[b] = {"service_ms": [], "bound_ms": []}
+        for g in range(max(1, -(-rows_per_size // b))):
+            rows = [prompts[(g * b + i) % len(prompts)] for i in range(b)]
+            for key, values in _time_group(drafter, rec, rows, cfg, reps).items():
+                out[b][key] += values
+        print(f"service sweep: batch {b}: {statistics.fmean(out[b]['service_ms']):.0f} ms, bound "
+              f"{statistics.fmean(out[b]['bound_ms']):.0f} ms", flush=True)
+    return out
+
+
+def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.DraftConfig,
+                reps: int) -> dict[str, list[float]]:
+    judge = ReplayTarget(rec, LatencyProfile({1: (1e-6,)}))
+    seqs = [drafter.start(r) for r in rows]
+    judged = [judge.start(r) for r in rows]
+    new: list[list[int]] = [[] for _ in rows]
+    out = {"service_ms": [], "bound_ms": []}
+    for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, dropped
+        budget = [len(j.continuation) - j.position for j in judged]  # tokens left in the recording
+        if min(budget) < 2:
+            raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
+        jobs = [DraftJob(s, t, cfg, C.SamplingConfig(), None, k - 1) for s, t, k in zip(seqs, new, budget)]
+        drafter.passes = []
+        t0 = time.perf_counter()
+        trees = drafter.propose_batch(jobs)
+        if rep:
+            out["service_ms"].append((time.perf_counter() - t0) * 1e3)
+            out["bound_ms"].append(bound_ms(drafter.model, drafter.passes))
+        drafter.passes = None
+        for i, (tree, j) in enumerate(zip(trees, judged)):
+            tree = tree.truncate(budget[i] - 1)
+            verdict = verify_greedy(tree, judge.score(j, tree))
+            judge.commit(j, verdict)
+            new[i] = verdict.tokens
+    return out
+
+
+@torch.inference_mode()
+def bound_ms(model, passes: list[Pass]) -> float:
+    """The bare model doing these passes (ms): the same rows, tokens and attended columns, and one
+    LM-head call per pass over as many hidden states; no masks built, nothing gathered or copied."""
+    kvs = []
+    for p in passes:  # allocated before the clock starts
+        kv = KV.allocate(model, p.rows, p.past + p.tokens)
+        kv.cut(p.past)
+        kvs.append(kv)
+    t0 = time.perf_counter()
+    for p, kv in zip(passes, kvs):
+        tokens = torch.ones(p.rows, p.tokens, dtype=torch.long)
+        positions = p.past + torch.arange(p.tokens).expand(p.rows, -1)
+        hidden = fw.forward(model, kv, tokens, positions, torch.ones(p.rows, p.tokens, p.past + p.tokens, dtype=torch.bool))
+        fw.lm_head(model, hidden.reshape(-1, hidden.shape[-1])[: p.heads])
+    return (time.perf_counter() - t0) * 1e3

@@ -29,11 +29,9 @@ import torch
 
 from starsd import config as C
 from starsd.bench import harness, metrics
-from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget
-from starsd.models.drafter import DraftJob, Drafter
+from starsd.models.drafter import Drafter
 from starsd.models.loading import load_model
 from starsd.results import line_plot, panel_plot, write_json
-from starsd.spec.verify import verify_greedy
 from starsd.star.launch import start_server
 from starsd.theory import simulate, sysmodel
 
@@ -46,47 +44,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reanalyse", default=None, metavar="JSON",
                    help="measure nothing: redo the model's and the simulator's predictions, the checks and "
                         "the plots of a result JSON from its measured points and profile")
-
-
-def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.DraftConfig,
-                    reps: int = 3, rows_per_size: int = 8) -> dict[int, list[float]]:
-    """S(b): wall time of one batched draft of b sessions in steady state (ms). Each session is a
-    recorded prompt fed its real accepted tokens (a replay target with no latency verifies). A
-    batch drafts as deep as its deepest row needs, so small batches are measured on several
-    disjoint groups of prompts (at least rows_per_size rows in all) to average over prompts."""
-    prompts = [p["prompt_ids"] for p in rec.prompts.values() if len(p["continuation"]) == rec.max_new_tokens]
-    if not prompts:
-        raise ValueError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
-    out = {}
-    for b in sizes:
-        out[b] = []
-        for g in range(max(1, -(-rows_per_size // b))):
-            rows = [prompts[(g * b + i) % len(prompts)] for i in range(b)]
-            out[b] += _time_group(drafter, rec, rows, cfg, reps)
-        print(f"service sweep: batch {b}: {statistics.fmean(out[b]):.0f} ms", flush=True)
-    return out
-
-
-def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.DraftConfig, reps: int) -> list[float]:
-    judge = ReplayTarget(rec, LatencyProfile({1: (1e-6,)}))
-    seqs, judged = [drafter.start(r) for r in rows], [judge.start(r) for r in rows]
-    new: list[list[int]] = [[] for _ in rows]
-    times = []
-    for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, dropped
-        budget = [len(j.continuation) - j.position for j in judged]  # tokens left in the recording
-        if min(budget) < 2:
-            raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
-        jobs = [DraftJob(s, t, cfg, C.SamplingConfig(), None, k - 1) for s, t, k in zip(seqs, new, budget)]
-        t0 = time.perf_counter()
-        trees = drafter.propose_batch(jobs)
-        if rep:
-            times.append((time.perf_counter() - t0) * 1e3)
-        for i, (tree, j) in enumerate(zip(trees, judged)):
-            tree = tree.truncate(budget[i] - 1)
-            verdict = verify_greedy(tree, judge.score(j, tree))
-            judge.commit(j, verdict)
-            new[i] = verdict.tokens
-    return times
 
 
 def run_server_mode(runner: harness.Runner, args, ns: list[int], serial: bool
@@ -252,7 +209,8 @@ def main(args) -> int:
     stem = str(args.json_out).rsplit(".", 1)[0]
     inputs = harness.prepare(args)
     drafter = Drafter(load_model(pair.draft_model(), pair.cache))
-    service = measure_service(drafter, inputs.recording, [b for b in SWEEP if b <= args.max_batch], inputs.draft)
+    service = {b: v["service_ms"] for b, v in harness.measure_service(
+        drafter, inputs.recording, [b for b in SWEEP if b <= args.max_batch], inputs.draft).items()}
     del drafter
     runner = harness.Runner(inputs, args)
     alone, alone_its = runner.point(None, 1, no_spec=True)

@@ -1,15 +1,19 @@
 """The drafter backend: a small LM that proposes chains or top-k token trees, for one sequence or
 for many sequences at once (the draft server batches every pending session into one pass per level).
 
-A DraftSequence's KV cache covers exactly its *committed* tokens, the sequence its target has
-accepted so far. A draft first ingests the tokens committed since the last draft (the accepted path
-and the recovered/bonus token: this is how rejected draft tokens are rolled back), then expands a
-tree level by level above the cache, and finally drops the tree's entries again.
+A DraftSequence's KV holds the keys and values of its *committed* tokens (those its target has
+accepted) in columns [0, cached) and, after a draft, those of the draft nodes that were fed to the
+model, after them. A draft request brings the tokens committed since the last one: the accepted
+path of the last draft and the recovered or bonus token. Accepted nodes whose keys and values were
+computed while drafting are moved into place instead of being computed again; the rest is ingested.
+Rejected nodes are overwritten by the next pass: that is how a draft is rolled back.
 
-Batching sequences of different lengths: the sequences' caches are copied side by side into one
-batch cache, right-padded to the longest; every query row carries its own attention mask over the
-batch's columns and its own rotary positions, so each sequence sees exactly its own context. The
-ingested tokens' keys and values are copied back to each sequence's cache; tree entries never are.
+Batching sequences of different lengths: each sequence's committed columns are copied side by side
+into one batch KV (one copy per batch), right-padded to the longest; every query carries its own
+attention mask over the batch's columns and its own rotary positions, so each sequence sees exactly
+its own context. Each level is one forward pass over the rows still growing and one LM-head call
+over all their new nodes. A finished row's new columns are copied back to its sequence's KV; once
+half the rows are finished the batch drops them. A batch of one works in its sequence's own KV.
 """
 
 from __future__ import annotations
@@ -21,17 +25,21 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models import forward as fw
+from starsd.models.kv import KV
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import sample, warp
 
-SOLO_INGEST = 32  # ingest longer than this (a prompt) runs on its own instead of padding a batch
+SOLO_INGEST = 32  # an ingest longer than this (a prompt) runs on its own instead of padding a batch
+ROOT = -1  # the parent of a tree's first level
 
 
 @dataclass
 class DraftSequence:
-    tokens: list[int]  # committed tokens; the cache covers tokens[:cached]
-    cache: object
+    tokens: list[int]  # committed tokens
+    kv: KV  # one row: tokens[:cached] in columns [0, cached), then the last draft's fed nodes
     cached: int = 0
+    kept: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent column or ROOT, token) -> column
+    # of a node of the last draft that was fed to the model; columns count from the start of the KV
 
 
 @dataclass
@@ -46,13 +54,23 @@ class DraftJob:
     max_depth: int = 1 << 30  # the target's remaining budget may cap the depth
 
 
+@dataclass(frozen=True)
+class Pass:
+    """The shape of one forward pass of a draft, to measure it against the bare model."""
+
+    rows: int  # batch rows
+    tokens: int  # tokens per row (padded to the widest)
+    past: int  # columns attended before the pass's own
+    heads: int  # hidden states the LM head read
+
+
 @dataclass
 class _Node:
     token: int
-    parent: int  # index into the candidate list, -1 for the root
+    parent: int  # index into the candidate list, ROOT for the first level
     score: float  # cumulative draft log-probability of the path
     depth: int
-    slot: int = -1  # batch-cache column once the node has been fed to the model
+    column: int = -1  # batch column once the node has been fed to the model
 
 
 @dataclass
@@ -68,24 +86,24 @@ class Expansion:
     qs: list[torch.Tensor] = field(default_factory=list)
     level: int = 0
 
-    def grow(self, parents: list[int], logits: torch.Tensor) -> None:
-        """Add children below `parents` from their logits [len(parents), V]."""
+    def grow_sampled(self, parent: int, logits: torch.Tensor) -> None:
+        """A sampled chain's next node, drawn from the warped logits [V] below `parent`."""
         self.level += 1
-        if self.cfg.sample:
-            q = warp(logits[0], self.sampling)
-            self.qs.append(q)
-            self.nodes.append(_Node(sample(q, self.generator), parents[0], 0.0, self.level))
-            self.frontier = [len(self.nodes) - 1]
-            return
-        logp = logits.float().log_softmax(-1)
-        top = logp.topk(self.cfg.top_k, dim=-1)
+        q = warp(logits, self.sampling)
+        self.qs.append(q)
+        self.nodes.append(_Node(sample(q, self.generator), parent, 0.0, self.level))
+        self.frontier = [len(self.nodes) - 1]
+
+    def grow_top(self, parents: list[int], logp: torch.Tensor, tokens: torch.Tensor) -> None:
+        """top_k children below each of `parents` from their best log-probabilities and tokens
+        [len(parents), >= top_k] (sorted, best first); the frontier becomes the top_k best of them."""
+        self.level += 1
+        k = self.cfg.top_k
         first = len(self.nodes)
-        for row, p in enumerate(parents):
-            base = 0.0 if p < 0 else self.nodes[p].score
-            for lp, tok in zip(top.values[row].tolist(), top.indices[row].tolist()):
-                self.nodes.append(_Node(tok, p, base + lp, self.level))
-        new = range(first, len(self.nodes))
-        self.frontier = sorted(new, key=lambda i: -self.nodes[i].score)[: self.cfg.top_k]
+        for p, lps, toks in zip(parents, logp[:, :k].tolist(), tokens[:, :k].tolist()):
+            base = 0.0 if p == ROOT else self.nodes[p].score
+            self.nodes += [_Node(t, p, base + lp, self.level) for lp, t in zip(lps, toks)]
+        self.frontier = sorted(range(first, len(self.nodes)), key=lambda i: -self.nodes[i].score)[:k]
 
     def wants_more(self) -> bool:
         if self.level >= self.depth:
@@ -109,13 +127,14 @@ class Expansion:
 class Drafter:
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.passes: list[Pass] | None = None  # a list: every forward pass's shape is appended to it
 
     @property
     def device(self) -> torch.device:
         return fw.device_of(self.model)
 
     def start(self, prompt_ids: list[int]) -> DraftSequence:
-        return DraftSequence(list(prompt_ids), fw.new_cache(self.model))
+        return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, len(prompt_ids) + 64))
 
     def propose(self, seq: DraftSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
                 generator: torch.Generator | None = None, max_depth: int = 1 << 30) -> DraftTree:
@@ -132,126 +151,191 @@ class Drafter:
         except BaseException:  # leave every sequence as it was, so the caller may retry or isolate
             for job, (length, cached) in zip(jobs, before):
                 del job.seq.tokens[length:]
-                job.seq.cached = min(job.seq.cached, cached)
-                fw.truncate(job.seq.cache, job.seq.cached)
+                job.seq.cached = cached
+                job.seq.kv.cut(cached)
+                job.seq.kept = {}
             raise
 
     def _propose_batch(self, jobs: list[DraftJob]) -> list[DraftTree]:
         for job in jobs:
             job.seq.tokens.extend(job.new_tokens)
+            reuse(job.seq, job.new_tokens)
         roots: dict[int, torch.Tensor] = {}
         for i, job in enumerate(jobs):  # prompts alone: no padding everyone else to their length
-            fresh = len(job.seq.tokens) - job.seq.cached
-            if len(jobs) == 1 or job.seq.cached == 0 or fresh > SOLO_INGEST:
-                roots[i] = self._ingest_alone(job.seq)
-        batch = _Batch(self.model, [j.seq for j in jobs])
+            if len(jobs) > 1 and (job.seq.cached == 0 or len(job.seq.tokens) - job.seq.cached > SOLO_INGEST):
+                roots[i] = _Batch(self.model, [job], self.passes).ingest([0])[0]
+        expansions = [Expansion(j.cfg, j.sampling, j.generator, max(1, min(j.cfg.depth, j.max_depth))) for j in jobs]
+        batch = _Batch(self.model, jobs, self.passes)
         rest = [i for i in range(len(jobs)) if i not in roots]
         if rest:
             roots.update(zip(rest, batch.ingest(rest)))
-        expansions = [Expansion(j.cfg, j.sampling, j.generator, max(1, min(j.cfg.depth, j.max_depth))) for j in jobs]
-        for i, e in enumerate(expansions):
-            e.grow([-1], roots[i][None])
+        logits = torch.stack([roots[i] for i in range(len(jobs))])
+        _grow(expansions, list(range(len(jobs))), [[ROOT]] * len(jobs), logits)
         while active := [i for i, e in enumerate(expansions) if e.wants_more()]:
-            for i, logits in zip(active, batch.feed(active, [expansions[i] for i in active])):
-                expansions[i].grow(expansions[i].frontier, logits)
-        batch.close()
+            batch.retire_all_but(active, expansions)
+            parents = [expansions[i].frontier for i in active]
+            _grow(expansions, active, parents, batch.feed(active, expansions))
+        batch.retire_all_but([], expansions)
         return [e.tree() for e in expansions]
 
-    def _ingest_alone(self, seq: DraftSequence) -> torch.Tensor:
-        """Feed the committed tokens the cache lacks, in the sequence's own cache; return the
-        logits after the last one: [V]."""
-        return _Batch(self.model, [seq]).ingest([0])[0]
+
+def reuse(seq: DraftSequence, new_tokens: list[int]) -> None:
+    """Move the keys and values of the last draft's nodes that the target accepted into place after
+    the committed ones, and forget the rest. The last new token (recovered or bonus) is always
+    ingested: its logits are the root of the next draft."""
+    node = ROOT
+    path = []
+    for t in new_tokens[:-1]:
+        node = seq.kept.get((node, t))
+        if node is None:
+            break
+        path.append(node)
+    seq.kept = {}
+    if path:
+        seq.kv.copy_columns(0, torch.tensor(path), seq.kv, 0, at=seq.cached)
+        seq.cached += len(path)
+    seq.kv.cut(seq.cached)
+
+
+def _grow(expansions: list[Expansion], jobs: list[int], parents: list[list[int]], logits: torch.Tensor) -> None:
+    """Grow each job's tree below its parents from their logits [sum of len(parents), V], with one
+    log-softmax and top-k over all rows of deterministic drafts."""
+    k = max(expansions[i].cfg.top_k for i in jobs)
+    logp = logits.float().log_softmax(-1)
+    top = logp.topk(k, dim=-1)
+    row = 0
+    for i, ps in zip(jobs, parents):
+        e = expansions[i]
+        if e.cfg.sample:
+            e.grow_sampled(ps[0], logits[row])
+        else:
+            e.grow_top(ps, top.values[row:row + len(ps)], top.indices[row:row + len(ps)])
+        row += len(ps)
 
 
 class _Batch:
-    """Several sequences' caches side by side in one batch cache (or, for one sequence, its own).
+    """One draft pass over several jobs' sequences: the batch KV and what each row's columns mean.
 
-    Columns [0, width) hold each sequence's cached prefix (sequence i's first lengths[i] columns are
-    real); each later pass appends as many columns as its widest row needs. visible[i] marks the
-    columns that hold sequence i's committed context; tree nodes are reached through their
-    ancestors' slots. row[i] is sequence i's row in the batch: once half the rows have stopped
-    drafting, the batch drops them, so the remaining levels compute only the sequences still growing."""
+    Invariants, all owned here:
+    - kv: the committed columns [0, start[i]) of job i's sequence, copied to row row[i] (a batch of
+      one works in the sequence's own KV: nothing is copied); every pass appends columns for all rows.
+    - visible[row[i]]: the columns that hold job i's committed context (its prefix and ingest).
+    - ingested[i]: the batch columns of the tokens job i ingested, in order; its nodes' columns
+      are on the nodes (Expansion.nodes[n].column).
+    - ancestry[n]: for fed node slot n, the tree columns it attends to (its ancestors and itself).
+    - row[i] exists until job i is retired: its new columns copied back to its sequence."""
 
-    def __init__(self, model, seqs: list[DraftSequence]):
+    def __init__(self, model, jobs: list[DraftJob], passes: list[Pass] | None):
         self.model = model
-        self.seqs = seqs
-        self.shared = len(seqs) == 1  # a batch of one works in the sequence's own cache
-        width = max(s.cached for s in seqs)
-        self.cache = seqs[0].cache if self.shared else fw.stack_caches(model, [s.cache for s in seqs], width)
-        self.visible = [torch.arange(width) < s.cached for s in seqs]
-        self.row = {i: i for i in range(len(seqs))}
+        self.jobs = jobs
+        self.passes = passes
+        self.start = [j.seq.cached for j in jobs]
+        width = max(self.start)
+        fresh = max(len(j.seq.tokens) - j.seq.cached for j in jobs)
+        levels = max(max(1, min(j.cfg.depth, j.max_depth)) for j in jobs)
+        capacity = width + fresh + levels * max(j.cfg.top_k for j in jobs)  # a level feeds <= top_k nodes a row
+        if len(jobs) == 1:
+            self.kv = jobs[0].seq.kv
+            self.kv.reserve(capacity)
+        else:
+            self.kv = KV.allocate(model, len(jobs), capacity)
+            self.kv.gather([j.seq.kv for j in jobs], self.start)
+        self.row = {i: i for i in range(len(jobs))}
+        self.visible = torch.arange(capacity)[None, :] < torch.tensor(self.start)[:, None]  # [rows, capacity]
+        self.ingested: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
+        self.ancestry = torch.zeros(1, capacity, dtype=torch.bool)  # slot 0: the root's (none)
+        self.slot: dict[tuple[int, int], int] = {}  # (job, node) -> its ancestry slot
+        self.fed: dict[int, list[int]] = {i: [] for i in range(len(jobs))}  # job -> its fed nodes, in order
 
-    def ingest(self, rows: list[int]) -> list[torch.Tensor]:
-        """Feed each row's uncached committed tokens (causally); return the logits after each row's
-        last token: [V] per row. The new entries are copied back to each sequence's own cache."""
-        start = fw.cache_len(self.cache)
-        fresh = [self.seqs[i].tokens[self.seqs[i].cached:] for i in rows]
-        positions = [list(range(self.seqs[i].cached, self.seqs[i].cached + len(f))) for i, f in zip(rows, fresh)]
-        wide = []
-        for i, f in zip(rows, fresh):
-            n = len(f)
-            mask = torch.zeros(n, start + n, dtype=torch.bool)
-            mask[:, :start] = self.visible[i]
-            mask[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()  # causal among the new tokens
-            wide.append(mask)
-        hidden = self._run_wide(rows, fresh, positions, wide)
-        for r, i in enumerate(rows):
-            n = len(fresh[r])
-            self.visible[i][start:start + n] = True
-            if not self.shared:
-                fw.append_from(self.seqs[i].cache, self.cache, self.row[i], start, n)
-            self.seqs[i].cached += n
-        return [fw.lm_head(self.model, h[-1]) for h in hidden]
+    @property
+    def shared(self) -> bool:
+        return len(self.jobs) == 1
 
-    def feed(self, rows: list[int], expansions: list[Expansion]) -> list[torch.Tensor]:
-        """Feed each row's frontier nodes with tree attention; return their logits [k, V] per row."""
-        if 2 * len(rows) <= len(self.row):
-            self._compact(rows)
-        start = fw.cache_len(self.cache)
-        tokens, positions, wide = [], [], []
-        for i, e in zip(rows, expansions):
-            k = len(e.frontier)
-            mask = torch.zeros(k, start + k, dtype=torch.bool)
-            mask[:, :start] = self.visible[i]
+    def ingest(self, jobs: list[int]) -> list[torch.Tensor]:
+        """Feed each job's uncached committed tokens (causally, padded to the longest); return the
+        logits after each one's last token: [V] per job."""
+        start = self.kv.length
+        fresh = [self.jobs[i].seq.tokens[self.jobs[i].seq.cached:] for i in jobs]
+        m = max(len(f) for f in fresh)
+        rows = len(self.row)
+        tokens = torch.zeros(rows, m, dtype=torch.long)
+        positions = torch.zeros(rows, m, dtype=torch.long)
+        attend = torch.zeros(rows, m, start + m, dtype=torch.bool)
+        attend[:, :, start:] = torch.ones(m, m, dtype=torch.bool).tril()  # causal; padding sees itself
+        for i, f in zip(jobs, fresh):
+            r = self.row[i]
+            tokens[r, :len(f)] = torch.tensor(f)
+            positions[r] = self.jobs[i].seq.cached + torch.arange(m)
+            attend[r, :, :start] = self.visible[r, :start]
+            self.visible[r, start:start + len(f)] = True
+            self.ingested[i] = list(range(start, start + len(f)))
+            self.jobs[i].seq.cached += len(f)
+        hidden = self._forward(tokens, positions, attend, heads=len(jobs))
+        last = torch.stack([hidden[self.row[i], len(f) - 1] for i, f in zip(jobs, fresh)])
+        return list(fw.lm_head(self.model, last))
+
+    def feed(self, jobs: list[int], expansions: list[Expansion]) -> torch.Tensor:
+        """Feed each job's frontier nodes with tree attention; return their logits, job after job
+        in frontier order: [sum of frontier sizes, V]."""
+        start = self.kv.length
+        width = max(len(expansions[i].frontier) for i in jobs)
+        rows = len(self.row)
+        q_row, q_col, q_parent, q_token, q_position = [], [], [], [], []
+        for i in jobs:
+            e = expansions[i]
             for j, n in enumerate(e.frontier):
-                e.nodes[n].slot = start + j
-                mask[j, start + j] = True
-                a = e.nodes[n].parent
-                while a >= 0:
-                    mask[j, e.nodes[a].slot] = True
-                    a = e.nodes[a].parent
-            tokens.append([e.nodes[n].token for n in e.frontier])
-            positions.append([self.seqs[i].cached - 1 + e.nodes[n].depth for n in e.frontier])
-            wide.append(mask)
-        return [fw.lm_head(self.model, h) for h in self._run_wide(rows, tokens, positions, wide)]
+                node = e.nodes[n]
+                node.column = start + j
+                q_row.append(self.row[i])
+                q_col.append(j)
+                q_parent.append(0 if node.parent == ROOT else self.slot[(i, node.parent)])
+                q_token.append(node.token)
+                q_position.append(self.jobs[i].seq.cached - 1 + node.depth)
+                self.slot[(i, n)] = len(self.ancestry) + len(q_row) - 1
+                self.fed[i].append(n)
+        q_row = torch.tensor(q_row)
+        q_col = torch.tensor(q_col)
+        sees = self.ancestry[torch.tensor(q_parent)]  # [Q, capacity]: the parent's tree columns
+        sees[torch.arange(len(q_row)), start + q_col] = True  # and its own column
+        self.ancestry = torch.cat([self.ancestry, sees])
+        tokens = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        attend = torch.zeros(rows, width, start + width, dtype=torch.bool)
+        attend[:, torch.arange(width), start + torch.arange(width)] = True  # padding sees itself: no NaN
+        tokens[q_row, q_col] = torch.tensor(q_token)
+        positions[q_row, q_col] = torch.tensor(q_position)
+        attend[q_row, q_col] = (sees | self.visible[q_row])[:, :start + width]
+        hidden = self._forward(tokens, positions, attend, heads=len(q_row))
+        return fw.lm_head(self.model, hidden[q_row, q_col])
 
-    def _run_wide(self, rows, tokens, positions, wide) -> list[torch.Tensor]:
-        """One pass over all rows; wide[r] [n, start + n] is row r's full mask. Hidden [n, H] per row."""
-        start = fw.cache_len(self.cache)
-        m = max(len(t) for t in tokens)
-        B = len(self.row)
-        tok = torch.zeros(B, m, dtype=torch.long)
-        pos = torch.zeros(B, m, dtype=torch.long)
-        att = torch.zeros(B, m, start + m, dtype=torch.bool)
-        att[:, torch.arange(m), start + torch.arange(m)] = True  # padding sees itself: no NaN
-        for r, i in enumerate(rows):
-            n = len(tokens[r])
-            tok[self.row[i], :n] = torch.tensor(tokens[r])
-            pos[self.row[i], :n] = torch.tensor(positions[r])
-            att[self.row[i], :n, : start + n] = wide[r]
-        hidden = fw.forward(self.model, self.cache, tok, pos, att)
-        self.visible = [torch.cat([v, torch.zeros(m, dtype=torch.bool)]) for v in self.visible]
-        return [hidden[self.row[i], : len(tokens[r])] for r, i in enumerate(rows)]
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, heads: int) -> torch.Tensor:
+        if self.passes is not None:
+            self.passes.append(Pass(tokens.shape[0], tokens.shape[1], self.kv.length, heads))
+        return fw.forward(self.model, self.kv, tokens, positions, attend)
 
-    def _compact(self, keep: list[int]) -> None:
-        """Drop the rows of the sequences not in `keep` (they stopped drafting)."""
-        if self.shared:
+    def retire_all_but(self, active: list[int], expansions: list[Expansion]) -> None:
+        """Copy the new columns of every job not in `active` back to its sequence; once they are
+        half the rows or more, drop their rows so that later levels compute only the growing ones."""
+        done = [i for i in self.row if i not in active]
+        if not done or (active and 2 * len(active) > len(self.row)):
             return
-        fw.select_rows(self.cache, torch.tensor([self.row[i] for i in keep]))
-        self.row = {i: r for r, i in enumerate(keep)}
+        for i in done:
+            self._retire(i, expansions[i])
+        if active:
+            self.kv.select_rows(torch.tensor([self.row[i] for i in active]))
+            self.visible = self.visible[[self.row[i] for i in active]]
+        self.row = {i: r for r, i in enumerate(active)}
 
-    def close(self) -> None:
-        """Drop every tree entry: each sequence's cache covers its committed tokens again."""
-        if self.shared:
-            fw.truncate(self.cache, self.seqs[0].cached)
-        self.cache = None
+    def _retire(self, i: int, e: Expansion) -> None:
+        """Job i's sequence keeps its ingested tokens as committed and its fed nodes after them."""
+        seq = self.jobs[i].seq
+        nodes = self.fed[i]
+        if self.shared:  # the nodes already sit in the sequence's own KV
+            column = {n: e.nodes[n].column for n in nodes}
+        else:
+            cols = self.ingested[i] + [e.nodes[n].column for n in nodes]
+            seq.kv.reserve(self.start[i] + len(cols))
+            self.kv.copy_columns(self.row[i], torch.tensor(cols, dtype=torch.long), seq.kv, 0, at=self.start[i])
+            seq.kv.cut(self.start[i] + len(cols))
+            column = {n: seq.cached + k for k, n in enumerate(nodes)}
+        seq.kept = {(column.get(e.nodes[n].parent, ROOT), e.nodes[n].token): column[n] for n in nodes}

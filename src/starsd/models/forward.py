@@ -80,37 +80,3 @@ def keep_positions(cache: DynamicCache, start: int, kept: torch.Tensor) -> None:
             layer.keys[:, :, start:start + idx.shape[0]] = layer.keys[:, :, idx]
             layer.values[:, :, start:start + idx.shape[0]] = layer.values[:, :, idx]
     truncate(cache, start + kept.shape[0])
-
-
-@torch.inference_mode()
-def stack_caches(model, caches: list[DynamicCache], width: int) -> DynamicCache:
-    """A batch cache holding each (batch-of-one, non-empty) cache in its own row, right-padded to
-    `width` columns with zeros. Padding columns must be masked out by the caller."""
-    batch = new_cache(model)
-    for layer_idx in range(len(caches[0].layers)):
-        parts = [(c.layers[layer_idx].keys, c.layers[layer_idx].values) for c in caches]
-        k0 = parts[0][0]
-        keys = k0.new_zeros(len(caches), k0.shape[1], width, k0.shape[3])
-        values = keys.clone()
-        for row, (k, v) in enumerate(parts):
-            keys[row, :, : k.shape[2]] = k[0]
-            values[row, :, : v.shape[2]] = v[0]
-        batch.update(keys, values, layer_idx)
-    return batch
-
-
-@torch.inference_mode()
-def append_from(dst: DynamicCache, batch: DynamicCache, row: int, start: int, count: int) -> None:
-    """Append columns [start, start + count) of `batch`'s row `row` to the batch-of-one cache `dst`."""
-    for layer_idx, layer in enumerate(batch.layers):
-        dst.update(layer.keys[row:row + 1, :, start:start + count].clone(),
-                   layer.values[row:row + 1, :, start:start + count].clone(), layer_idx)
-
-
-@torch.inference_mode()
-def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Keep only batch rows `rows` (in that order) of every layer."""
-    for layer in cache.layers:
-        idx = rows.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(0, idx)
-        layer.values = layer.values.index_select(0, idx)

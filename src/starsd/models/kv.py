@@ -1,0 +1,121 @@
+"""Keys and values that a forward pass writes in place: preallocated, for one sequence or a batch.
+
+transformers' DynamicCache grows by concatenation, which copies every layer's whole cache on every
+pass. A KV here is allocated with room to spare: a pass writes its new columns in place and
+attention reads a view of the columns written so far. Beside forward.py, this is the only module
+that knows how transformers holds a cache.
+
+Shapes: every layer holds keys and values [rows, kv_heads, capacity, head_dim]; columns
+[0, length) are written, the same `length` in every layer and row.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class Slab(CacheLayerMixin):
+    """One layer's keys and values, written in place at the next free column."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.keys = keys  # [rows, kv_heads, capacity, head_dim]
+        self.values = values
+        self.length = length
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the pass's keys/values [rows, kv_heads, m, head_dim]; return every column so far."""
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            raise RuntimeError(f"KV full: {end} columns needed, {self.keys.shape[-2]} allocated")
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class KV(Cache):
+    """Every layer's Slab; passed to the model as its cache."""
+
+    def __init__(self, slabs: list[Slab]):
+        super().__init__(layers=slabs)
+
+    @classmethod
+    def allocate(cls, model, rows: int, capacity: int) -> KV:
+        """Zeros (padding that is masked out must still be finite) for `rows` rows of `capacity` columns."""
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        embed = model.get_input_embeddings().weight  # the activations' dtype, even for an int8 model
+        shape = (rows, c.num_key_value_heads, capacity, head_dim)
+        return cls([Slab(embed.new_zeros(shape), embed.new_zeros(shape), 0) for _ in range(c.num_hidden_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].keys.shape[-2]
+
+    @property
+    def rows(self) -> int:
+        return self.layers[0].keys.shape[0]
+
+    def cut(self, length: int) -> None:
+        """Forget every column from `length` on (they are overwritten by the next pass)."""
+        for slab in self.layers:
+            slab.length = length
+
+    def reserve(self, capacity: int) -> None:
+        """Room for at least `capacity` columns, doubling the allocation when it grows."""
+        if capacity <= self.capacity:
+            return
+        new = max(capacity, 2 * self.capacity)
+        for slab in self.layers:
+            for name in ("keys", "values"):
+                old = getattr(slab, name)
+                grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
+                grown[:, :, :slab.length] = old[:, :, :slab.length]
+                setattr(slab, name, grown)
+
+    def gather(self, sources: list[KV], lengths: list[int]) -> None:
+        """Row r := the first lengths[r] columns of sources[r] (a one-row KV); length := max(lengths)."""
+        for i, slab in enumerate(self.layers):
+            for r, (src, n) in enumerate(zip(sources, lengths)):
+                slab.keys[r, :, :n] = src.layers[i].keys[0, :, :n]
+                slab.values[r, :, :n] = src.layers[i].values[0, :, :n]
+            slab.length = max(lengths)
+
+    def copy_columns(self, row: int, columns: torch.Tensor, dst: KV, dst_row: int, at: int) -> None:
+        """dst[dst_row, :, at:at+len(columns)] := self[row, :, columns], in every layer."""
+        n = columns.shape[0]
+        for src, out in zip(self.layers, dst.layers):
+            idx = columns.to(src.keys.device)
+            out.keys[dst_row, :, at:at + n] = src.keys[row, :, idx]
+            out.values[dst_row, :, at:at + n] = src.values[row, :, idx]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only rows `rows`, in that order."""
+        for slab in self.layers:
+            idx = rows.to(slab.keys.device)
+            slab.keys = slab.keys.index_select(0, idx)
+            slab.values = slab.values.index_select(0, idx)
