@@ -28,6 +28,17 @@ def test_iterations_run_from_the_previous_step():
     assert metrics.iterations([row("b", 0.0, [(0.1, 1)])])[0].wall_ms == 0.0  # target-only: no draft request
 
 
+def test_requests_belong_to_the_steps_that_asked_for_a_draft():
+    r = {"target": "a", "started": 0.0, "trace": [(1.0, 3), (2.0, 1), (3.0, 1), (4.0, 2)], "asked": [4, 0, 2, 3],
+         "requests": {"wall": [10.0, 20.0, 30.0], "queue": [1.0, 0.0, 3.0], "service": [5.0, 0.0, 6.0],
+                      "batch": [2, 0, 4]}}  # the 2nd request was refused as busy
+    its = metrics.iterations([r])
+    assert [(it.wall_ms, it.batch) for it in its] == [(10.0, 2), (0.0, 0), (20.0, 0), (30.0, 4)]
+    pt = metrics.point(its, 1, 0.0, 4.0)
+    assert pt["drafted_share"] == 0.5 and pt["mean_batch"] == 3.0  # only answered drafts count
+    assert pt["queue_ms"] == 2.0
+
+
 def test_point_counts_only_the_window_and_defines_latency():
     rows = [row("a", 0.0, [(1.0, 4), (2.0, 2), (3.0, 1)], wall=12.0), row("b", 0.0, [(2.5, 5)], wall=12.0)]
     timeline = [(1.0, 1.5, 1), (2.0, 3.0, 2), (9.0, 10.0, 1)]

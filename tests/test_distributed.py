@@ -47,8 +47,8 @@ def local(dirs):
 
 
 def target_args(dirs, *extra):
-    return ["--target", dirs["target"], "--dtype", "float32", "--threads", "1", "--max-new-tokens", str(MAX_NEW),
-            "--draft-depth", "4", *extra]
+    return ["--target", dirs["target"], "--dtype", "float32", "--threads", "1", "--no-draft-adaptive",
+            "--max-new-tokens", str(MAX_NEW), "--draft-depth", "4", *extra]
 
 
 def stats(star) -> dict:
@@ -69,7 +69,7 @@ def test_four_targets_batched_and_lossless(star, dirs, local):
         ids = prompts[r["prompt_id"]].encode(local.tokenizer)
         ref = target_only(local.target, ids, MAX_NEW, SamplingConfig(), local.eos_ids)
         assert r["token_ids"] == ref.token_ids, r["prompt_id"]
-        assert r["draft"]["requests"] == r["num_steps"]
+        assert r["draft"]["requests"] == r["drafted_steps"] >= r["num_steps"] - 1  # the last may be too short
     after = stats(star)["batch_sizes"]
     batched = {k: after[k] - before.get(k, 0) for k in after if int(k) > 1}
     assert sum(batched.values()) > 0, f"no batch of more than one session: {after}"
@@ -87,7 +87,8 @@ def test_network_sampling_is_seeded_and_matches_colocated(star, dirs, local):
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
     ids = prompt.encode(local.tokenizer)
     s = SamplingConfig(temperature=0.8, top_p=0.95, seed=5)
-    ref = speculative(local.target, local.drafter, ids, MAX_NEW, DraftConfig(depth=4, sample=True), s, local.eos_ids)
+    ref = speculative(local.target, local.drafter, ids, MAX_NEW, DraftConfig(depth=4, sample=True, adaptive=False), s,
+                      local.eos_ids)
     assert runs[0]["token_ids"] == ref.token_ids
 
 

@@ -69,7 +69,8 @@ def test_recording_is_the_greedy_continuation_and_cached(dirs, recording, pair):
     assert again.prompts == recording.prompts
 
 
-@pytest.mark.parametrize("shape", [DraftConfig(depth=5, min_path_prob=0.0), DraftConfig(depth=4, top_k=2, total_tokens=8)])
+@pytest.mark.parametrize("shape", [DraftConfig(depth=5, min_path_prob=0.0, adaptive=False),
+                                   DraftConfig(depth=4, top_k=2, total_tokens=8, adaptive=False)])
 def test_replay_accepts_what_the_real_target_accepts(recording, pair, shape):
     replay = ReplayTarget(recording, flat(0.1))
     for p in recording.prompts.values():
@@ -126,7 +127,8 @@ def test_replay_host_against_a_real_draft_server(dirs, recording, tmp_path):
         for r in rows:
             assert r["replay"] is True
             assert r["token_ids"] == recording.prompts[r["prompt_id"]]["continuation"]
-            assert len(r["trace"]) == r["num_steps"] == len(r["requests"]["wall"])
+            assert len(r["trace"]) == r["num_steps"] == len(r["asked"])
+            assert len(r["requests"]["wall"]) == sum(d > 0 for d in r["asked"])  # one request per draft asked
             assert sum(k for _, k in r["trace"]) == len(r["token_ids"])
         t0 = time.time()
         timed = subprocess.run([*base, "--targets", "2", "--duration-s", "2"], capture_output=True, text=True,

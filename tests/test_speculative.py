@@ -36,7 +36,8 @@ def test_greedy_equals_target_only(tiny_target, tiny_drafters, quality, draft):
 
 
 def test_perfect_chain_accepts_everything(tiny_target, tiny_drafters):
-    got = speculative(tiny_target, tiny_drafters["perfect"], [5, 6], 50, DraftConfig(depth=4, **FULL), GREEDY)
+    got = speculative(tiny_target, tiny_drafters["perfect"], [5, 6], 50, DraftConfig(depth=4, adaptive=False, **FULL),
+                      GREEDY)
     assert got.accepted[:-1] == [4] * (len(got.accepted) - 1)
     assert got.num_steps == 10  # 50 tokens, 5 per step
 
@@ -79,8 +80,8 @@ def test_empty_prompt_is_refused(tiny_target, tiny_drafters):
         speculative(tiny_target, tiny_drafters["good"], [], 5, DraftConfig(), GREEDY)
 
 
-@pytest.mark.parametrize("draft", [DraftConfig(depth=3), DraftConfig(depth=3, sample=True),
-                                   DraftConfig(depth=3, top_k=2, total_tokens=5)],
+@pytest.mark.parametrize("draft", [DraftConfig(depth=3, adaptive=False), DraftConfig(depth=3, sample=True, adaptive=False),
+                                   DraftConfig(depth=3, top_k=2, total_tokens=5, adaptive=False)],
                          ids=["greedy-chain", "sampled-chain", "tree"])
 def test_seeded_sampling_is_reproducible(tiny_target, tiny_drafters, draft):
     s = SamplingConfig(temperature=0.9, top_p=0.95, seed=11)
@@ -193,7 +194,8 @@ def test_sampling_runs_on_the_models_device(device):
     target = TargetModel(base.to(device))
     drafter = Drafter(tiny.perturbed(base, seed=7, scale=0.1).to(device))
     s = SamplingConfig(temperature=0.8, top_p=0.95, seed=3)
-    for draft in (DraftConfig(depth=4, sample=True), DraftConfig(depth=3, top_k=2, total_tokens=5)):
+    for draft in (DraftConfig(depth=4, sample=True, adaptive=False), DraftConfig(depth=3, top_k=2, total_tokens=5,
+                                                                                 adaptive=False)):
         runs = [speculative(target, drafter, [5, 6], 30, draft, s).token_ids for _ in range(2)]
         assert runs[0] == runs[1] and len(runs[0]) == 30
     assert speculative(target, drafter, [5, 6], 30, DraftConfig(depth=4), GREEDY).token_ids == \

@@ -124,6 +124,9 @@ class DraftConfig:
     total_tokens: int = setting(0, f"tree nodes kept after re-ranking (0: depth * top_k; at most {MAX_DRAFT_NODES})")
     sample: bool = setting(False, "chains only: sample draft tokens from the draft distribution q instead of taking its argmax")
     min_path_prob: float = setting(0.3, "stop deepening once the best frontier path's draft probability falls below this (0: draft the full depth)")
+    adaptive: bool = setting(True, "choose each step's depth (at most depth; 0: decode the step alone) from the "
+                             "stream's measured acceptance, draft wait and verify times; off: always `depth` "
+                             "(seeded sampled runs are reproducible only then: the choice follows timings)")
 
     def __post_init__(self):
         if not 1 <= self.depth <= MAX_DRAFT_DEPTH:

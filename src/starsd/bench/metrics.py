@@ -23,10 +23,10 @@ class Iteration:
     start: float  # unix s
     end: float
     tokens: int
-    wall_ms: float = 0.0  # the draft request's round trip; 0 for target-only decoding
+    wall_ms: float = 0.0  # the draft request's round trip; 0 when the step asked for no draft
     queue_ms: float = 0.0
     service_ms: float = 0.0
-    batch: int = 0
+    batch: int = 0  # sessions drafted together; 0: no draft (not asked, or refused as busy)
 
     @property
     def ms(self) -> float:
@@ -34,13 +34,20 @@ class Iteration:
 
 
 def iterations(rows: list[dict]) -> list[Iteration]:
-    """Every iteration in the JSON rows a replay host (or target worker) printed, one row per prompt."""
+    """Every iteration in the JSON rows a replay host (or target worker) printed, one row per prompt.
+    The draft requests (`requests`, in order) belong to the steps that asked for a draft (`asked`,
+    the depth asked each step, 0: none); a row without `asked` asked at every step."""
     out = []
     for r in rows:
         req = r.get("requests") or {}
+        asked = r.get("asked") or [1] * len(r["trace"])
         prev = r["started"]
-        for k, (end, tokens) in enumerate(r["trace"]):
-            draft = [req[key][k] for key in ("wall", "queue", "service", "batch")] if req.get("wall") else [0, 0, 0, 0]
+        k = 0  # the next request
+        for (end, tokens), depth in zip(r["trace"], asked):
+            draft = [0, 0, 0, 0]
+            if depth and req.get("wall"):
+                draft = [req[key][k] for key in ("wall", "queue", "service", "batch")]
+                k += 1
             out.append(Iteration(r["target"], prev, end, tokens, *draft))
             prev = end
     return out
@@ -92,13 +99,14 @@ def point(its: list[Iteration], n: int, w0: float, w1: float, timeline: list | N
         by_target[it.target] = by_target.get(it.target, 0) + it.tokens
     lat = per_token_latencies(inside)
     mean_lat = statistics.fmean(lat)
-    drafted = [it for it in inside if it.wall_ms]
+    drafted = [it for it in inside if it.batch]
     out = {
         "n": n, "window_s": seconds, "iterations": len(inside), "tokens": sum(by_target.values()),
         "system_tokens_per_s": sum(by_target.values()) / seconds,
         "per_target_tokens_per_s": sum(by_target.values()) / seconds / n,
         "per_target_min_tokens_per_s": min(by_target.get(t, 0) for t in _names(its, n)) / seconds,
         "tokens_per_iteration": statistics.fmean(it.tokens for it in inside),
+        "drafted_share": sum(1 for it in inside if it.batch) / len(inside),  # steps that verified a draft
         "t_gamma_ms": statistics.fmean(it.ms for it in inside),
         "t_gamma_cv": statistics.pstdev(it.ms for it in inside) / statistics.fmean(it.ms for it in inside),
         "latency_mean_ms": mean_lat, "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),

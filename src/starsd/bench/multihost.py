@@ -68,7 +68,7 @@ def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float |
             points = []
             for n in ns:
                 pt, its = runner.point(proxy.address, n)
-                drafted = [it for it in its if it.wall_ms]
+                drafted = [it for it in its if it.batch]
                 mean_len = statistics.fmean(it.tokens for it in drafted)
                 ser = harness.serialisation_ms(depth=max(1, round(pt["tokens_per_iteration"] * 2)), new_tokens=round(mean_len))
                 pt.update(mode="batched", rtt_ms=rtt_ms, rate_mbit=rate, ping_rtt_ms=ping, serialisation_ms=ser,

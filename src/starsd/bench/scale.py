@@ -79,7 +79,7 @@ def build_profile(points: list[dict], alone: list[metrics.Iteration], target_onl
     """The model's inputs, as the paper takes them: S(b) is the draft server's own mean batch time by
     batch size, pooled over every server point's window (prompt prefills, the IO thread and the
     targets' share of the cores included); R and tau come from the single-pair point."""
-    drafted = [it for it in alone if it.wall_ms]
+    drafted = [it for it in alone if it.batch]
     pairs = [tuple(x) for p in points if p["mode"] in ("serial", "batched") for x in p["batch_times"]]
     return sysmodel.Profile(
         service_ms=metrics.service_table(pairs),

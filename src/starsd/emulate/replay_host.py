@@ -108,7 +108,7 @@ class Host:
                     "target": name, "replay": True, "prompt_id": prompt_id, "token_ids": gen.token_ids,
                     "num_steps": gen.num_steps, "mean_accepted": gen.mean_accepted, "seconds": gen.seconds,
                     "tokens_per_s": gen.tokens_per_s, "started": started, "finished": time.time(),
-                    "trace": gen.trace, "verify_ms": target.verify_ms, "draft": t.summary(),
+                    "trace": gen.trace, "asked": gen.asked, "verify_ms": target.verify_ms, "draft": t.summary(),
                     "requests": {"wall": t.wall, "queue": t.queue, "service": t.service, "batch": t.batch}})
             if not self.duration_s:
                 return

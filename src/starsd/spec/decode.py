@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from starsd.config import DraftConfig, SamplingConfig
+from starsd.spec.depth import DepthPolicy
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import Verdict, make_generator, next_token, verify
 
@@ -27,10 +28,14 @@ class Generation:
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted at each verify step
     seconds: float = 0.0
     trace: list[tuple[float, int]] = field(default_factory=list)  # (unix time a step ended, tokens it emitted)
+    depths: list[int] = field(default_factory=list)  # depth of each step's draft (0: the step decoded alone)
+    asked: list[int] = field(default_factory=list)  # depth asked of the drafter each step (0: not asked)
 
     @property
     def mean_accepted(self) -> float:
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+        """Accepted draft tokens per step that had a draft."""
+        drafted = [a for a, d in zip(self.accepted, self.depths) if d] if self.depths else self.accepted
+        return sum(drafted) / len(drafted) if drafted else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,30 +84,48 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int,
                 draft_cfg: DraftConfig, sampling: SamplingConfig,
                 eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf) -> Generation:
     """Draft -> verify -> accept until the budget, an EOS, or the first step ending past `deadline`
-    (unix s; the generation so far is returned)."""
+    (unix s; the generation so far is returned). With draft_cfg.adaptive a DepthPolicy picks each
+    step's depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one."""
     require_prompt(prompt_ids)
     t0 = time.perf_counter()
     verify_gen = make_generator(sampling.seed, target.device)
     draft_gen = make_generator(sampling.seed + 1, drafter.device)
+    policy = DepthPolicy(draft_cfg.depth) if draft_cfg.adaptive else None
     seq = target.start(prompt_ids)
     dseq = drafter.start(prompt_ids)
-    new_tokens: list[int] = []
+    new_tokens: list[int] = []  # committed, not yet given to the drafter
     out: list[int] = []
     accepted: list[int] = []
+    depths: list[int] = []
+    asked: list[int] = []
     trace: list[tuple[float, int]] = []
     done = max_new_tokens <= 0
     while not done:
         budget = max_new_tokens - len(out)  # at most budget tokens come out: budget-1 drafted + 1
-        tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=budget - 1)
-        tree = tree.truncate(budget - 1)
+        depth = policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
+        draft_ms = None
+        if depth > 0:
+            t_draft = time.perf_counter()
+            tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth)
+            draft_ms = (time.perf_counter() - t_draft) * 1e3
+            new_tokens = []
+            tree = tree.truncate(depth)
+        else:
+            tree = DraftTree.empty()
+        t_verify = time.perf_counter()
         logits = target.score(seq, tree)
         verdict = verify(tree, logits, sampling, verify_gen)
+        if policy:
+            policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1,
+                           (time.perf_counter() - t_verify) * 1e3)
         accepted.append(verdict.num_accepted)
+        depths.append(tree.depth())
+        asked.append(depth)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         out += emitted
         trace.append((time.time(), len(emitted)))
         done = done or trace[-1][0] > deadline
         if not done:
             target.commit(seq, verdict)
-            new_tokens = verdict.tokens
-    return Generation(out, len(accepted), accepted, time.perf_counter() - t0, trace)
+            new_tokens += verdict.tokens
+    return Generation(out, len(accepted), accepted, time.perf_counter() - t0, trace, depths, asked)

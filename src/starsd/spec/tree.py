@@ -52,6 +52,10 @@ class DraftTree:
     def empty(cls) -> "DraftTree":
         return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
+    def depth(self) -> int:
+        """Levels below the root (0 for an empty draft)."""
+        return int(depths(self.parents).max()) if len(self) else 0
+
     def truncate(self, max_depth: int) -> "DraftTree":
         """Keep only the nodes at depth <= max_depth (used when the token budget ends inside a draft)."""
         keep = (depths(self.parents) <= max_depth).nonzero().squeeze(1)

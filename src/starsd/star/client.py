@@ -155,24 +155,39 @@ class RemoteSequence:
 
 @dataclass
 class Timing:
-    """Per draft request, as the target saw it (ms). overhead = wall - queue - service: serialisation,
-    transport and the server's IO hop. `refused`: requests the server turned away as busy (those
-    steps decoded without a draft)."""
+    """Per draft request, as the target saw it (ms), one entry per request in order. overhead = wall -
+    queue - service: serialisation, transport and the server's IO hop. A request the server turned
+    away as busy (that step decoded without a draft) has batch 0 and no queue or service time."""
 
     wall: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
     service: list[float] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
-    refused: int = 0
+
+    def add(self, wall: float, queue: float = 0.0, service: float = 0.0, batch: int = 0) -> None:
+        self.wall.append(wall)
+        self.queue.append(queue)
+        self.service.append(service)
+        self.batch.append(batch)
+
+    @property
+    def refused(self) -> int:
+        return self.batch.count(0)
 
     def summary(self) -> dict:
-        n = len(self.wall)
+        """Means over the answered requests."""
+        answered = [i for i, b in enumerate(self.batch) if b]
+        n = len(answered)
         if not n:
             return {"requests": 0, "refused": self.refused} if self.refused else {}
+
+        def mean(xs):
+            return sum(xs[i] for i in answered) / n
+
         overhead = [w - q - s for w, q, s in zip(self.wall, self.queue, self.service)]
-        return {"requests": n, "wall_ms": sum(self.wall) / n, "queue_ms": sum(self.queue) / n,
-                "service_ms": sum(self.service) / n, "overhead_ms": sum(overhead) / n,
-                "mean_batch": sum(self.batch) / n, "refused": self.refused}
+        return {"requests": n, "wall_ms": mean(self.wall), "queue_ms": mean(self.queue),
+                "service_ms": mean(self.service), "overhead_ms": mean(overhead),
+                "mean_batch": mean(self.batch), "refused": self.refused}
 
 
 class RemoteDrafter:
@@ -201,17 +216,14 @@ class RemoteDrafter:
                 break
             except DraftServerError as e:
                 if e.code == "busy":
-                    self.timing.refused += 1
+                    self.timing.add((time.perf_counter() - t0) * 1e3)
                     return DraftTree.empty()
                 if attempt or e.code not in ("reset_required", "unknown_session"):
                     raise
                 if e.code == "unknown_session":  # the server dropped us (restart, timeout): new session
                     self.client.hello()
                 seq.sent = 0
-        self.timing.wall.append((time.perf_counter() - t0) * 1e3)
-        self.timing.queue.append(reply.queue_ms)
-        self.timing.service.append(reply.service_ms)
-        self.timing.batch.append(reply.batch_size)
+        self.timing.add((time.perf_counter() - t0) * 1e3, reply.queue_ms, reply.service_ms, reply.batch_size)
         q = tensors[2].clone() if len(tensors) == 3 else None
         return DraftTree(tensors[0].long(), tensors[1].long(), q)
 

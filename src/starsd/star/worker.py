@@ -46,7 +46,8 @@ def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_token
             if as_json:
                 print(json.dumps({
                     "target": name, "prompt_id": prompt.id, "prompt": prompt.text, "token_ids": gen.token_ids,
-                    "text": text, "num_steps": gen.num_steps, "mean_accepted": gen.mean_accepted,
+                    "text": text, "num_steps": gen.num_steps, "drafted_steps": sum(d > 0 for d in gen.depths), "asked": gen.asked,
+                    "mean_accepted": gen.mean_accepted,
                     "seconds": gen.seconds, "tokens_per_s": gen.tokens_per_s, "started": started,
                     "finished": time.time(), "draft": drafter.timing.summary(),
                 }), flush=True)

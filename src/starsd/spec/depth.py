@@ -1,0 +1,145 @@
+"""Choosing the draft depth per step: speculate only as deep as it pays, and not at all when
+decoding alone is faster. Pure arithmetic on what a stream has measured.
+
+Per step a target either decodes alone (one target pass over one token) or asks for a draft of
+depth d: it waits draft_ms(d) for it (the draft server's queue and service and the network, or a
+co-located draft model's passes), verifies the root and the draft in verify_ms(width) and commits
+the accepted tokens and one more. The policy takes the depth with the most tokens per millisecond:
+
+    rate(0) = 1 / verify_ms(1)
+    rate(d) = (1 + accepted(d)) / (draft_ms(d) + verify_ms(d + 1))
+
+where accepted(d) = sum over k <= d of P(the first k drafted tokens are accepted). Acceptance by
+position and both costs are learnt from this stream's own steps, recent ones weighing more:
+draft_ms and verify_ms as straight lines in d and in the width. Unmeasured, a depth is assumed
+as good as the configured one: a stream starts speculating at full depth and learns from there.
+Every `explore` steps the policy tries the depth beside its choice (or a draft after a run of
+decoding alone), so that a draft server that slows down or frees up is noticed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Line:
+    """y = a + b x fitted by least squares to the last `window` points; `prior` (a, b) when it has
+    none. With one x seen, the line goes through the origin (`proportional`: a cost that grows with
+    size, like a draft's levels) or is flat (a cost measured at one size only)."""
+
+    prior: tuple[float, float]
+    proportional: bool
+    window: int = 48
+    points: deque = field(default_factory=deque)
+
+    def add(self, x: float, y: float) -> None:
+        self.points.append((x, y))
+        if len(self.points) > self.window:
+            self.points.popleft()
+
+    def __call__(self, x: float) -> float:
+        a, b = self.fit()
+        return max(0.0, a + b * x)
+
+    def fit(self) -> tuple[float, float]:
+        if not self.points:
+            return self.prior
+        n = len(self.points)
+        mx = sum(p[0] for p in self.points) / n
+        my = sum(p[1] for p in self.points) / n
+        sxx = sum((p[0] - mx) ** 2 for p in self.points)
+        if sxx == 0:
+            return (0.0, my / mx) if self.proportional and mx > 0 else (my, 0.0)
+        b = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in self.points) / sxx)  # costs never fall with size
+        return my - b * mx, b
+
+
+@dataclass
+class Acceptance:
+    """P(the first k drafted tokens are all accepted), k = 1..max_depth, with exponential forgetting."""
+
+    max_depth: int
+    decay: float = 0.97
+    tried: list[float] = field(default_factory=list)  # weight of drafts that reached position k
+    taken: list[float] = field(default_factory=list)  # weight of those whose first k tokens were accepted
+
+    def __post_init__(self):
+        self.tried = [0.0] * self.max_depth
+        self.taken = [0.0] * self.max_depth
+
+    def add(self, depth: int, accepted: int) -> None:
+        """A draft `depth` deep of which the first `accepted` tokens were accepted."""
+        for k in range(self.max_depth):
+            self.tried[k] *= self.decay
+            self.taken[k] *= self.decay
+            if k < depth:
+                self.tried[k] += 1.0
+                self.taken[k] += 1.0 if k < accepted else 0.0
+
+    def expected(self, d: int) -> float:
+        """E[accepted tokens] of a draft d deep. A position never tried is assumed to keep the last
+        measured conditional rate (or 0.8 with none at all)."""
+        total = 0.0
+        reach = 1.0  # P(the first k - 1 accepted)
+        rate = 0.8
+        for k in range(d):
+            if self.tried[k] > 0.5 and (k == 0 or self.taken[k - 1] > 0.5):
+                p_k = self.taken[k] / self.tried[k]  # P(first k accepted | drafted k deep)
+                p_prev = 1.0 if k == 0 else self.taken[k - 1] / self.tried[k - 1]
+                rate = min(1.0, p_k / p_prev) if p_prev > 0 else 0.0
+            reach *= rate
+            total += reach
+        return total
+
+
+@dataclass
+class DepthPolicy:
+    """The depth of each step of one stream: 0 (decode alone) .. max_depth."""
+
+    max_depth: int
+    explore: int = 16  # steps between tries of another depth
+    acceptance: Acceptance = None
+    draft_ms: Line = None
+    verify_ms: Line = None
+    steps: int = 0
+    chosen: int = 0
+
+    def __post_init__(self):
+        self.acceptance = self.acceptance or Acceptance(self.max_depth)
+        # Priors that make speculating look worth it until measured: drafts cheap, verify flat.
+        self.draft_ms = self.draft_ms or Line((0.0, 1.0), proportional=True)
+        self.verify_ms = self.verify_ms or Line((100.0, 0.0), proportional=False)
+        self.chosen = self.max_depth
+
+    def rate(self, d: int) -> float:
+        """Expected tokens per millisecond at depth d."""
+        if d == 0:
+            return 1.0 / max(self.verify_ms(1), 1e-6)
+        return (1.0 + self.acceptance.expected(d)) / max(self.draft_ms(d) + self.verify_ms(d + 1), 1e-6)
+
+    def choose(self, limit: int) -> int:
+        """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""
+        limit = max(0, min(limit, self.max_depth))
+        best = max(range(limit + 1), key=self.rate)
+        self.steps += 1
+        if self.steps % self.explore == 0:  # look beside the choice now and then
+            if best == 0:
+                best = min(1, limit)  # is the draft server worth asking again?
+            elif (self.steps // self.explore) % 2:
+                best = min(limit, best + 1)
+            else:
+                best -= 1
+        self.chosen = best
+        return best
+
+    def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float) -> None:
+        """One step: a draft `depth` deep (0: none) waited for draft_ms, verified `width` tokens
+        (root and draft) in verify_ms and had `accepted` tokens accepted."""
+        if depth > 0:
+            self.acceptance.add(depth, accepted)
+            if draft_ms is not None and math.isfinite(draft_ms):
+                self.draft_ms.add(depth, draft_ms)
+        self.verify_ms.add(width, verify_ms)

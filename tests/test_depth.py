@@ -1,0 +1,63 @@
+"""The depth policy alone: pure arithmetic on measured costs and acceptance."""
+
+import pytest
+
+from starsd.spec.depth import Acceptance, DepthPolicy, Line
+
+
+def test_line_fits_and_extrapolates():
+    line = Line((5.0, 0.0), proportional=True)
+    assert line(3) == 5.0  # the prior, with no points
+    line.add(4, 40.0)
+    assert line(2) == pytest.approx(20.0)  # one x seen: proportional
+    line.add(8, 60.0)
+    assert line(6) == pytest.approx(50.0) and line(0) == pytest.approx(20.0)
+    flat = Line((5.0, 0.0), proportional=False)
+    flat.add(3, 30.0)
+    assert flat(1) == 30.0
+
+
+def test_acceptance_by_position():
+    acc = Acceptance(4, decay=1.0)
+    for _ in range(10):
+        acc.add(4, 4)
+    assert acc.expected(4) == pytest.approx(4.0)
+    acc = Acceptance(4, decay=1.0)
+    for accepted in (0, 1, 2, 2):  # P(first 1) = 3/4, P(first 2) = 1/2, P(first 3) = 0
+        acc.add(4, accepted)
+    assert acc.expected(1) == pytest.approx(0.75)
+    assert acc.expected(2) == pytest.approx(1.25)
+    assert acc.expected(4) == pytest.approx(1.25)
+
+
+def run(policy: DepthPolicy, steps: int, decode_ms: float, verify_per_token: float, draft_per_level: float,
+        wait_ms: float, right: int = 8) -> list[int]:
+    """Feed the policy a synthetic stream whose drafts are right for their first `right` tokens."""
+    chosen = []
+    for _ in range(steps):
+        d = policy.choose(8)
+        chosen.append(d)
+        accepted = min(d, right)
+        policy.observe(d, accepted, wait_ms + draft_per_level * d if d else None, d + 1,
+                       decode_ms + verify_per_token * d)
+    return chosen
+
+
+def test_drafts_deep_when_drafting_pays():
+    chosen = run(DepthPolicy(8, explore=16), 64, decode_ms=100, verify_per_token=1, draft_per_level=5, wait_ms=2)
+    assert sum(d == 8 for d in chosen[-32:]) >= 28  # deep, but for the odd look beside
+
+
+def test_decodes_alone_when_the_draft_server_is_slow():
+    """A draft that costs more than it wins back: the stream stops asking, but looks again now and then."""
+    chosen = run(DepthPolicy(8, explore=16), 96, decode_ms=100, verify_per_token=1, draft_per_level=5, wait_ms=2000)
+    tail = chosen[-48:]
+    assert sum(d == 0 for d in tail) >= 44 and any(d > 0 for d in tail)
+
+
+def test_shallow_when_verifying_is_expensive():
+    """A CPU whose verify cost grows with the tokens scored and a draft right for two tokens: the
+    best depth is 2 (tokens per ms: 1/100 alone, 2/142 at 1, 3/182 at 2, 3/222 at 3)."""
+    chosen = run(DepthPolicy(8, explore=16), 96, decode_ms=100, verify_per_token=30, draft_per_level=10, wait_ms=2,
+                 right=2)
+    assert sum(d == 2 for d in chosen[-32:]) >= 28
