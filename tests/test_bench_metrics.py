@@ -113,17 +113,26 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     out = tmp_path / "scale.json"
     cmd = [sys.executable, "-m", "starsd.cli", "bench", "scale", "--target", t, "--draft", d, "--dtype", "float32",
            "--draft-quantize", "none", "--threads", "1", "--targets", "1,3", "--limit", "3", "--max-new-tokens", "24",
-           "--warmup-s", "0.5", "--measure-s", "1.5", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)]
+           "--warmup-s", "0.5", "--measure-s", "1.5", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out),
+           "--draft-depth", "4", "--fixed-depths", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     modes = {(p["mode"], p["n"]) for p in result["points"]}
-    assert modes == {(m, n) for m in ("target-only", "single-pair", "serial", "batched") for n in (1, 3)}
+    assert modes == {(m, n) for m in ("target-only", "single-pair", "serial", "batched", "adaptive", "batched-d2")
+                     for n in (1, 3)}
     for p in result["points"]:
         assert p["system_tokens_per_s"] > 0 and p["per_target_tokens_per_s"] > 0 and "latency_cv" in p
         if p["mode"] in ("serial", "batched"):
             assert 0 < p["draft_utilization"] <= 1
             assert p["n_full_measured"] > 0 and p["n_full_predicted"] > 0
+            assert p["drafted_share"] > 0.8 and not p["adaptive"]  # a fixed depth asks at every step but the last
+        if p["mode"].startswith("batched"):
+            assert p["draft_depth"] == {"batched": 4, "batched-d2": 2}[p["mode"]]
+    checks = result["checks"]
+    assert [r["n"] for r in checks["adaptive_vs_best_fixed"]] == [1, 3]
+    assert {r["best_fixed_depth"] for r in checks["adaptive_vs_best_fixed"]} <= {2, 4}
+    assert set(checks["per_target_vs_target_only"]) == {"adaptive", "batched", "batched-d2", "serial"}
     assert "replay" in result["replay"]["targets"]
     assert set(result["n_full"]) == {"serial", "batched"}
     for suffix in ("", "-utilization", "-latency"):

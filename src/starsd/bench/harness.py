@@ -109,16 +109,17 @@ class Runner:
         self.args = args
         self.prefix = list(prefix)
 
-    def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None
-             ) -> tuple[list[dict], float]:
+    def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None,
+             draft: C.DraftConfig | None = None) -> tuple[list[dict], float]:
         """Run n replay targets (for duration_s, default warm-up + window; 0: each decodes its share
-        of the prompts once); return their JSON rows and the unix time they were released."""
+        of the prompts once) drafting as `draft` says (default: the flags); return their JSON rows
+        and the unix time they were released."""
         a = self.args
         duration_s = a.warmup_s + a.measure_s if duration_s is None else duration_s
         argv = ["replay-targets", "--connect", address, "--recording", self.inputs.recording_file,
                 "--latency", self.inputs.latency_file, "--targets", str(n), "--max-new-tokens", str(a.max_new_tokens),
                 "--duration-s", str(duration_s), "--wait-go", "--seed", str(a.seed),
-                *C.to_flags(self.inputs.draft, prefix="draft-"), *(["--no-spec"] if no_spec else [])]
+                *C.to_flags(draft or self.inputs.draft, prefix="draft-"), *(["--no-spec"] if no_spec else [])]
         proc = spawn(argv, self.prefix)
         try:
             read_json_line(proc, "ready", 120)
@@ -135,9 +136,10 @@ class Runner:
             raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
         return rows, go
 
-    def point(self, address: str | None, n: int, no_spec: bool = False) -> tuple[dict, list[metrics.Iteration]]:
+    def point(self, address: str | None, n: int, no_spec: bool = False, draft: C.DraftConfig | None = None
+              ) -> tuple[dict, list[metrics.Iteration]]:
         """The figures of n targets over the window (address None: target-only, no server)."""
-        rows, go = self.host(address or "tcp://127.0.0.1:9", n, no_spec)
+        rows, go = self.host(address or "tcp://127.0.0.1:9", n, no_spec, draft=draft)
         w0 = go + self.args.warmup_s
         w1 = w0 + self.args.measure_s
         timeline = None if address is None else server_stats(address, self.prefix)["timeline"]

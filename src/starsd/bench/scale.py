@@ -9,6 +9,12 @@ draft server is real. Modes, each measured over the same window after a warm-up:
   batched server's N = 1 point (one target, one server) and multiplied the same way.
 - serial: one draft server for N targets, drafting one request at a time (the reference behaviour).
 - batched: one draft server for N targets, the work-conserving batched loop.
+These four draft at the fixed depth --draft-depth (the analytical model's subject). Beside them:
+- adaptive: the batched server, with each target choosing its depth step by step (spec/depth.py),
+  at most --draft-depth, 0 when decoding alone pays more;
+- batched-dD: the batched server at another fixed depth D, for each D in --fixed-depths. With
+  batched they give the best fixed depth at each N, the baseline adaptive depth must match or beat
+  (any fixed schedule of depth by N, as serving engines use, is at most that envelope).
 The analytical model (sysmodel.py) and the simulator (simulate.py) get the profile the model is
 defined on: S(b), the draft server's own mean batch time by batch size over every server point,
 and R and tau from the single-pair point. A service sweep of the draft model in this process,
@@ -20,6 +26,7 @@ per-token latency CDF; `--reanalyse JSON` redoes predictions, checks and plots f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -40,24 +47,26 @@ SWEEP = [1, 2, 4, 8, 16, 32, 48]  # batch sizes of the service sweep
 
 def add_args(p: argparse.ArgumentParser) -> None:
     harness.add_star_args(p, json_out="results/scale.json")
-    p.add_argument("--modes", default="target-only,single-pair,serial,batched")
+    p.add_argument("--modes", default="target-only,single-pair,serial,batched,adaptive")
+    p.add_argument("--fixed-depths", default="", metavar="D,D",
+                   help="also run the batched server at these fixed draft depths (modes batched-dD)")
     p.add_argument("--reanalyse", default=None, metavar="JSON",
                    help="measure nothing: redo the model's and the simulator's predictions, the checks and "
                         "the plots of a result JSON from its measured points and profile")
 
 
-def run_server_mode(runner: harness.Runner, args, ns: list[int], serial: bool
+def run_server_mode(runner: harness.Runner, args, ns: list[int], mode: str, draft: C.DraftConfig
                     ) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
-    mode = "serial" if serial else "batched"
-    star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, serial))
+    star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, mode == "serial"))
     points = []
     its = {}
     try:
         for n in ns:
-            pt, its[n] = runner.point(star.address, n)
-            points.append({"mode": mode, **pt})
+            pt, its[n] = runner.point(star.address, n, draft=draft)
+            points.append({"mode": mode, "draft_depth": draft.depth, "adaptive": draft.adaptive, **pt})
             print(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
-                  f"batch {pt['mean_batch']:.1f}, latency CV {pt['latency_cv']:.2f}", flush=True)
+                  f"batch {pt.get('mean_batch', 0):.1f}, drafted {pt['drafted_share']:.0%} of steps, "
+                  f"latency CV {pt['latency_cv']:.2f}", flush=True)
     finally:
         star.close()
     return points, its
@@ -131,6 +140,7 @@ def checks(points: list[dict], n_full: dict) -> dict:
         sat = {m: max(p["system_tokens_per_s"] for p in by[m]) for m in ("serial", "batched")}
         out["batched_vs_serial"] = {"n_full_ratio": n_full["batched"]["measured"] / n_full["serial"]["measured"],
                                     "saturated_throughput_ratio": sat["batched"] / sat["serial"]}
+    out.update(depth_checks(by))
     if "single-pair" in by and "batched" in n_full:
         at = min(by["batched"], key=lambda p: abs(p["n"] - n_full["batched"]["measured"]))
         out["latency_cv"] = {"single_pair": by["single-pair"][0]["latency_cv"], "batched_n": at["n"],
@@ -138,7 +148,37 @@ def checks(points: list[dict], n_full: dict) -> dict:
     return out
 
 
-COLOURS = {"target-only": "#7f7f7f", "single-pair": "#2ca02c", "serial": "#ff7f0e", "batched": "#1f77b4"}
+def depth_checks(by: dict[str, list[dict]]) -> dict:
+    """Every server mode's per-target throughput against target-only, and the adaptive depth's system
+    throughput against the best fixed depth measured at the same N."""
+    out = {}
+    fixed = sorted((m for m in by if m == "batched" or m.startswith("batched-d")),
+                   key=lambda m: by[m][0]["draft_depth"])
+    if "target-only" in by:
+        alone = by["target-only"][0]["per_target_tokens_per_s"]
+        out["per_target_vs_target_only"] = {
+            m: {str(p["n"]): round(p["per_target_tokens_per_s"] / alone, 3) for p in by[m]}
+            for m in ("adaptive", *fixed, "serial") if m in by}
+        if "adaptive" in by:
+            out["adaptive_min_vs_target_only"] = min(p["per_target_tokens_per_s"] / alone for p in by["adaptive"])
+    if "adaptive" in by and fixed:
+        rows = []
+        for p in by["adaptive"]:
+            same_n = [q for m in fixed for q in by[m] if q["n"] == p["n"]]
+            if same_n:
+                best = max(same_n, key=lambda q: q["system_tokens_per_s"])
+                rows.append({"n": p["n"], "adaptive": round(p["system_tokens_per_s"], 2),
+                             "best_fixed": round(best["system_tokens_per_s"], 2), "best_fixed_depth": best["draft_depth"],
+                             "ratio": round(p["system_tokens_per_s"] / best["system_tokens_per_s"], 3),
+                             "adaptive_drafted_share": round(p["drafted_share"], 3)})
+        out["adaptive_vs_best_fixed"] = rows
+        out["adaptive_min_vs_best_fixed"] = min(r["ratio"] for r in rows) if rows else None
+    return out
+
+
+COLOURS = {"target-only": "#7f7f7f", "single-pair": "#2ca02c", "serial": "#ff7f0e", "batched": "#1f77b4",
+           "adaptive": "#d62728"}
+MORE_COLOURS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]  # batched-dD modes, in turn
 
 
 def plot(path_stem: str, result: dict) -> None:
@@ -147,10 +187,11 @@ def plot(path_stem: str, result: dict) -> None:
     points = result["points"]
     profile = sysmodel.Profile.from_json(result["profile"])
     ns = sorted({p["n"] for p in points})
+    colours = COLOURS | dict(zip(sorted({p["mode"] for p in points} - set(COLOURS)), MORE_COLOURS))
     panels = []
     for key, ylabel in (("system_tokens_per_s", "system tokens / s"), ("per_target_tokens_per_s", "tokens / s per target")):
         series = []
-        for mode, colour in COLOURS.items():
+        for mode, colour in colours.items():
             mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["n"])
             if not mine:
                 continue
@@ -199,11 +240,23 @@ def latency_cdf(its: dict, n_full: dict) -> dict[str, list[float]]:
     return {label: [round(x, 2) for x in sorted(metrics.per_token_latencies(v))] for label, v in chosen.items()}
 
 
+def server_modes(draft: C.DraftConfig, fixed_depths: str) -> list[tuple[str, C.DraftConfig]]:
+    """Each draft-server mode and how its targets draft."""
+    fixed = dataclasses.replace(draft, adaptive=False)
+    out = [("batched", fixed), ("serial", fixed), ("adaptive", dataclasses.replace(draft, adaptive=True))]
+    return out + [(f"batched-d{d}", dataclasses.replace(fixed, depth=d))
+                  for d in (harness.numbers(fixed_depths) if fixed_depths else []) if d != draft.depth]
+
+
 def main(args) -> int:
     if args.reanalyse:
         return reanalyse(args.reanalyse, args.seed)
     ns = harness.numbers(args.targets)
     modes = args.modes.split(",")
+    unknown = set(modes) - {"target-only", "single-pair", "serial", "batched", "adaptive"}
+    if unknown:
+        raise ValueError(f"unknown modes {sorted(unknown)}: target-only, single-pair, serial, batched, adaptive "
+                         "(more fixed depths: --fixed-depths)")
     pair = C.from_args(C.PairConfig, args)
     torch.set_num_threads(args.threads)
     stem = str(args.json_out).rsplit(".", 1)[0]
@@ -217,13 +270,15 @@ def main(args) -> int:
     print(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target", flush=True)
     points = derived(alone, "target-only", ns) if "target-only" in modes else []
     its = {}
-    for serial, mode in ((False, "batched"), (True, "serial")):
-        if mode in modes or (mode == "batched" and "single-pair" in modes):
-            pts, mode_its = run_server_mode(runner, args, ns if mode in modes else [1], serial)
-            points += pts if mode in modes else []
-            its.update({(mode, n): v for n, v in mode_its.items()})
-            if not serial and "single-pair" in modes:
-                points += derived(pts[0], "single-pair", ns)
+    for mode, draft in server_modes(inputs.draft, args.fixed_depths):
+        wanted = mode in modes or mode.startswith("batched-d")
+        if not wanted and mode != "batched":  # batched at N = 1 is the model's R and tau: always run
+            continue
+        pts, mode_its = run_server_mode(runner, args, ns if wanted else [1], mode, draft)
+        points += pts if wanted else []
+        its.update({(mode, n): v for n, v in mode_its.items()})
+        if mode == "batched" and "single-pair" in modes:
+            points += derived(pts[0], "single-pair", ns)
     profile = build_profile(points, its[("batched", 1)], alone, args.max_batch)
     n_full = annotate(points, profile, args.seed)
     result = {
