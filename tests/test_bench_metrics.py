@@ -119,8 +119,8 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     modes = {(p["mode"], p["n"]) for p in result["points"]}
-    assert modes == {(m, n) for m in ("target-only", "single-pair", "serial", "batched", "adaptive", "batched-d2")
-                     for n in (1, 3)}
+    assert modes == {(m, n) for m in ("target-only", "single-pair", "serial", "batched", "adaptive", "predraft",
+                                      "star", "batched-d2") for n in (1, 3)}
     for p in result["points"]:
         assert p["system_tokens_per_s"] > 0 and p["per_target_tokens_per_s"] > 0 and "latency_cv" in p
         if p["mode"] in ("serial", "batched"):
@@ -129,10 +129,16 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
             assert p["drafted_share"] > 0.8 and not p["adaptive"]  # a fixed depth asks at every step but the last
         if p["mode"].startswith("batched"):
             assert p["draft_depth"] == {"batched": 4, "batched-d2": 2}[p["mode"]]
+        if p["mode"] in ("serial", "batched", "adaptive", "predraft", "star", "batched-d2"):
+            assert p["predraft"] == (p["mode"] in ("predraft", "star"))
+            assert ("predrafting" in p) == p["predraft"]
+        if p["mode"] == "predraft":
+            assert p["predrafting"]["sessions"] > 0 and 0 <= p["predrafting"]["hit_rate"] <= 1
     checks = result["checks"]
     assert [r["n"] for r in checks["adaptive_vs_best_fixed"]] == [1, 3]
     assert {r["best_fixed_depth"] for r in checks["adaptive_vs_best_fixed"]} <= {2, 4}
-    assert set(checks["per_target_vs_target_only"]) == {"adaptive", "batched", "batched-d2", "serial"}
+    assert set(checks["per_target_vs_target_only"]) == {"star", "adaptive", "predraft", "batched", "batched-d2", "serial"}
+    assert [r["n"] for r in checks["predraft_vs_batched"]] == [r["n"] for r in checks["star_vs_adaptive"]] == [1, 3]
     assert "replay" in result["replay"]["targets"]
     assert set(result["n_full"]) == {"serial", "batched"}
     for suffix in ("", "-utilization", "-latency"):

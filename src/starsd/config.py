@@ -187,6 +187,8 @@ class ServerConfig:
     max_batch: int = setting(32, "sessions drafted together in one batch at most")
     queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
     max_context: int = setting(32768, "tokens one session may hold (prompt + generated); beyond it drafts are refused")
+    predraft: bool = setting(True, "while no request waits, draft each idle chain session's likeliest next request "
+                             "(last draft accepted whole, the draft's own bonus guess) and answer it at once on a hit")
 
     def __post_init__(self):
         for name in ("max_sessions", "max_batch", "max_context"):

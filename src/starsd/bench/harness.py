@@ -56,8 +56,9 @@ def numbers(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def server_config(args, serial: bool) -> C.ServerConfig:
-    return C.ServerConfig(serial=serial, max_batch=args.max_batch)
+def server_config(args, serial: bool, predraft: bool = False) -> C.ServerConfig:
+    """The draft server of a benchmark point: pre-drafting only where a mode asks for it."""
+    return C.ServerConfig(serial=serial, max_batch=args.max_batch, predraft=predraft)
 
 
 @dataclasses.dataclass

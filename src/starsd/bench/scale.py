@@ -9,9 +9,12 @@ draft server is real. Modes, each measured over the same window after a warm-up:
   batched server's N = 1 point (one target, one server) and multiplied the same way.
 - serial: one draft server for N targets, drafting one request at a time (the reference behaviour).
 - batched: one draft server for N targets, the work-conserving batched loop.
-These four draft at the fixed depth --draft-depth (the analytical model's subject). Beside them:
+These four draft at the fixed depth --draft-depth without pre-drafting (the analytical model's
+subject). Beside them:
 - adaptive: the batched server, with each target choosing its depth step by step (spec/depth.py),
   at most --draft-depth, 0 when decoding alone pays more;
+- predraft: the batched server at the fixed depth, pre-drafting in its idle time (star/ahead.py);
+- star: both, as a draft server and its targets run by default;
 - batched-dD: the batched server at another fixed depth D, for each D in --fixed-depths. With
   batched they give the best fixed depth at each N, the baseline adaptive depth must match or beat
   (any fixed schedule of depth by N, as serving engines use, is at most that envelope).
@@ -47,7 +50,7 @@ SWEEP = [1, 2, 4, 8, 16, 32, 48]  # batch sizes of the service sweep
 
 def add_args(p: argparse.ArgumentParser) -> None:
     harness.add_star_args(p, json_out="results/scale.json")
-    p.add_argument("--modes", default="target-only,single-pair,serial,batched,adaptive")
+    p.add_argument("--modes", default="target-only,single-pair,serial,batched,adaptive,predraft,star")
     p.add_argument("--fixed-depths", default="", metavar="D,D",
                    help="also run the batched server at these fixed draft depths (modes batched-dD)")
     p.add_argument("--reanalyse", default=None, metavar="JSON",
@@ -55,21 +58,34 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "the plots of a result JSON from its measured points and profile")
 
 
-def run_server_mode(runner: harness.Runner, args, ns: list[int], mode: str, draft: C.DraftConfig
+def run_server_mode(runner: harness.Runner, args, ns: list[int], mode: str, draft: C.DraftConfig, predraft: bool
                     ) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
-    star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, mode == "serial"))
+    star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, mode == "serial", predraft))
     points = []
     its = {}
     try:
         for n in ns:
+            before = harness.server_stats(star.address)
             pt, its[n] = runner.point(star.address, n, draft=draft)
-            points.append({"mode": mode, "draft_depth": draft.depth, "adaptive": draft.adaptive, **pt})
+            pt = {"mode": mode, "draft_depth": draft.depth, "adaptive": draft.adaptive, "predraft": predraft, **pt}
+            if predraft:
+                pt["predrafting"] = predraft_figures(before, harness.server_stats(star.address))
+            points.append(pt)
             print(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
                   f"batch {pt.get('mean_batch', 0):.1f}, drafted {pt['drafted_share']:.0%} of steps, "
                   f"latency CV {pt['latency_cv']:.2f}", flush=True)
     finally:
         star.close()
     return points, its
+
+
+def predraft_figures(before: dict, after: dict) -> dict:
+    """What pre-drafting did over one point (warm-up and window): sessions pre-drafted, requests
+    answered from a pre-draft (hits) and not (misses: their tokens differed), batches given up for a
+    request, and its compute time; hit_rate = hits / draft requests."""
+    d = {k: after["predraft"][k] - before["predraft"][k] for k in after["predraft"]}
+    requests = after["requests"] - before["requests"]
+    return d | {"requests": requests, "hit_rate": d["hits"] / requests if requests else 0.0}
 
 
 def derived(base: dict, mode: str, ns: list[int]) -> list[dict]:
@@ -141,6 +157,7 @@ def checks(points: list[dict], n_full: dict) -> dict:
         out["batched_vs_serial"] = {"n_full_ratio": n_full["batched"]["measured"] / n_full["serial"]["measured"],
                                     "saturated_throughput_ratio": sat["batched"] / sat["serial"]}
     out.update(depth_checks(by))
+    out.update(predraft_checks(by))
     if "single-pair" in by and "batched" in n_full:
         at = min(by["batched"], key=lambda p: abs(p["n"] - n_full["batched"]["measured"]))
         out["latency_cv"] = {"single_pair": by["single-pair"][0]["latency_cv"], "batched_n": at["n"],
@@ -158,7 +175,7 @@ def depth_checks(by: dict[str, list[dict]]) -> dict:
         alone = by["target-only"][0]["per_target_tokens_per_s"]
         out["per_target_vs_target_only"] = {
             m: {str(p["n"]): round(p["per_target_tokens_per_s"] / alone, 3) for p in by[m]}
-            for m in ("adaptive", *fixed, "serial") if m in by}
+            for m in ("star", "adaptive", "predraft", *fixed, "serial") if m in by}
         if "adaptive" in by:
             out["adaptive_min_vs_target_only"] = min(p["per_target_tokens_per_s"] / alone for p in by["adaptive"])
     if "adaptive" in by and fixed:
@@ -176,9 +193,26 @@ def depth_checks(by: dict[str, list[dict]]) -> dict:
     return out
 
 
+def predraft_checks(by: dict[str, list[dict]]) -> dict:
+    """System throughput with pre-drafting against the same mode without it, at each N, and its hit rate."""
+    out = {}
+    for on, off in (("predraft", "batched"), ("star", "adaptive")):
+        if on in by and off in by:
+            rows = []
+            for p in by[on]:
+                q = next((q for q in by[off] if q["n"] == p["n"]), None)
+                if q:
+                    rows.append({"n": p["n"], "with": round(p["system_tokens_per_s"], 2),
+                                 "without": round(q["system_tokens_per_s"], 2),
+                                 "ratio": round(p["system_tokens_per_s"] / q["system_tokens_per_s"], 3),
+                                 "hit_rate": round(p["predrafting"]["hit_rate"], 3)})
+            out[f"{on}_vs_{off}"] = rows
+    return out
+
+
 COLOURS = {"target-only": "#7f7f7f", "single-pair": "#2ca02c", "serial": "#ff7f0e", "batched": "#1f77b4",
-           "adaptive": "#d62728"}
-MORE_COLOURS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]  # batched-dD modes, in turn
+           "adaptive": "#d62728", "predraft": "#9467bd", "star": "#000000"}
+MORE_COLOURS = ["#8c564b", "#e377c2", "#17becf", "#bcbd22"]  # batched-dD modes, in turn
 
 
 def plot(path_stem: str, result: dict) -> None:
@@ -240,11 +274,13 @@ def latency_cdf(its: dict, n_full: dict) -> dict[str, list[float]]:
     return {label: [round(x, 2) for x in sorted(metrics.per_token_latencies(v))] for label, v in chosen.items()}
 
 
-def server_modes(draft: C.DraftConfig, fixed_depths: str) -> list[tuple[str, C.DraftConfig]]:
-    """Each draft-server mode and how its targets draft."""
+def server_modes(draft: C.DraftConfig, fixed_depths: str) -> list[tuple[str, C.DraftConfig, bool]]:
+    """Each draft-server mode: how its targets draft, and whether the server pre-drafts."""
     fixed = dataclasses.replace(draft, adaptive=False)
-    out = [("batched", fixed), ("serial", fixed), ("adaptive", dataclasses.replace(draft, adaptive=True))]
-    return out + [(f"batched-d{d}", dataclasses.replace(fixed, depth=d))
+    adaptive = dataclasses.replace(draft, adaptive=True)
+    out = [("batched", fixed, False), ("serial", fixed, False), ("adaptive", adaptive, False),
+           ("predraft", fixed, True), ("star", adaptive, True)]
+    return out + [(f"batched-d{d}", dataclasses.replace(fixed, depth=d), False)
                   for d in (harness.numbers(fixed_depths) if fixed_depths else []) if d != draft.depth]
 
 
@@ -253,9 +289,9 @@ def main(args) -> int:
         return reanalyse(args.reanalyse, args.seed)
     ns = harness.numbers(args.targets)
     modes = args.modes.split(",")
-    unknown = set(modes) - {"target-only", "single-pair", "serial", "batched", "adaptive"}
-    if unknown:
-        raise ValueError(f"unknown modes {sorted(unknown)}: target-only, single-pair, serial, batched, adaptive "
+    known = ["target-only", "single-pair", "serial", "batched", "adaptive", "predraft", "star"]
+    if set(modes) - set(known):
+        raise ValueError(f"unknown modes {sorted(set(modes) - set(known))}: {', '.join(known)} "
                          "(more fixed depths: --fixed-depths)")
     pair = C.from_args(C.PairConfig, args)
     torch.set_num_threads(args.threads)
@@ -270,11 +306,11 @@ def main(args) -> int:
     print(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target", flush=True)
     points = derived(alone, "target-only", ns) if "target-only" in modes else []
     its = {}
-    for mode, draft in server_modes(inputs.draft, args.fixed_depths):
+    for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths):
         wanted = mode in modes or mode.startswith("batched-d")
         if not wanted and mode != "batched":  # batched at N = 1 is the model's R and tau: always run
             continue
-        pts, mode_its = run_server_mode(runner, args, ns if wanted else [1], mode, draft)
+        pts, mode_its = run_server_mode(runner, args, ns if wanted else [1], mode, draft, predraft)
         points += pts if wanted else []
         its.update({(mode, n): v for n, v in mode_its.items()})
         if mode == "batched" and "single-pair" in modes:

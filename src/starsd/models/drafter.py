@@ -41,6 +41,15 @@ class DraftSequence:
     kept: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent column or ROOT, token) -> column
     # of a node of the last draft that was fed to the model; columns count from the start of the KV
 
+    def clone(self) -> DraftSequence:
+        """An independent copy (a draft into it leaves this one as it was)."""
+        return DraftSequence(list(self.tokens), self.kv.clone(), self.cached, dict(self.kept))
+
+
+class Interrupted(Exception):
+    """A draft stopped at a level boundary because its caller asked (`stop`); its sequences are as
+    they were before it."""
+
 
 @dataclass
 class DraftJob:
@@ -143,11 +152,12 @@ class Drafter:
         return self.propose_batch([DraftJob(seq, new_tokens, cfg, sampling, generator, max_depth)])[0]
 
     @torch.inference_mode()
-    def propose_batch(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        """Draft for several sequences at once: one forward pass per tree level for all of them."""
+    def propose_batch(self, jobs: list[DraftJob], stop=None) -> list[DraftTree]:
+        """Draft for several sequences at once: one forward pass per tree level for all of them.
+        `stop()`, if given, is asked before every level after the first; True raises Interrupted."""
         before = [(len(j.seq.tokens), j.seq.cached) for j in jobs]
         try:
-            return self._propose_batch(jobs)
+            return self._propose_batch(jobs, stop)
         except BaseException:  # leave every sequence as it was, so the caller may retry or isolate
             for job, (length, cached) in zip(jobs, before):
                 del job.seq.tokens[length:]
@@ -156,7 +166,7 @@ class Drafter:
                 job.seq.kept = {}
             raise
 
-    def _propose_batch(self, jobs: list[DraftJob]) -> list[DraftTree]:
+    def _propose_batch(self, jobs: list[DraftJob], stop) -> list[DraftTree]:
         for job in jobs:
             job.seq.tokens.extend(job.new_tokens)
             reuse(job.seq, job.new_tokens)
@@ -172,6 +182,8 @@ class Drafter:
         logits = torch.stack([roots[i] for i in range(len(jobs))])
         _grow(expansions, list(range(len(jobs))), [[ROOT]] * len(jobs), logits)
         while active := [i for i, e in enumerate(expansions) if e.wants_more()]:
+            if stop is not None and stop():
+                raise Interrupted()
             batch.retire_all_but(active, expansions)
             parents = [expansions[i].frontier for i in active]
             _grow(expansions, active, parents, batch.feed(active, expansions))

@@ -113,6 +113,19 @@ class KV(Cache):
             out.keys[dst_row, :, at:at + n] = src.keys[row, :, idx]
             out.values[dst_row, :, at:at + n] = src.values[row, :, idx]
 
+    def clone(self, spare: int = 64) -> KV:
+        """A copy of the filled columns, with room for `spare` more."""
+        n = self.length
+        slabs = []
+        for slab in self.layers:
+            copies = []
+            for t in (slab.keys, slab.values):
+                c = t.new_zeros((*t.shape[:2], n + spare, t.shape[3]))
+                c[:, :, :n] = t[:, :, :n]
+                copies.append(c)
+            slabs.append(Slab(*copies, n))
+        return KV(slabs)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows `rows`, in that order."""
         for slab in self.layers:

@@ -4,6 +4,7 @@ Its parts (DESIGN.md, principles 1-3):
 - transport.py: the IO thread. Decodes and validates messages, answers heartbeats and stats, and
   puts requests on Q_in; sends what the compute loop hands it.
 - sessions.py: per-target state under a session tag, and the rules a request must pass.
+- ahead.py: pre-drafting, the compute loop's work while no request waits.
 - this module: the compute loop. It owns the draft model. Whenever Q_in holds a draft request it
   drafts ALL pending sessions together, one batched forward pass per tree level (or, with
   `serial`, one request at a time: the reference code's behaviour, kept as the baseline). Each
@@ -22,7 +23,8 @@ import time
 import torch
 
 from starsd.config import MAX_DRAFT_NODES, ServerConfig
-from starsd.models.drafter import DraftJob, Drafter
+from starsd.models.drafter import DraftJob, Drafter, Interrupted
+from starsd.star import ahead
 from starsd.star import protocol as P
 from starsd.star.sessions import Refused, Session, Sessions
 from starsd.star.stats import ServerStats
@@ -61,6 +63,8 @@ class DraftServer:
         try:
             while not self.stopping.is_set():
                 self._handle(self._next_round())
+                if self.cfg.predraft and not self._deferred and self.q_in.empty():
+                    self._predraft()
                 if time.monotonic() - last_reap > 1.0:
                     self.sessions.reap()
                     last_reap = time.monotonic()
@@ -122,9 +126,12 @@ class DraftServer:
                 self._deferred.append(req)  # one request per session per batch, in order
                 continue
             s = self._take(req)
-            if s is not None:
-                in_round.add(s.tag)
-                drafts.append((s, req))
+            if s is None:
+                continue
+            in_round.add(s.tag)
+            if s.ahead is not None and self._answer_ahead(s, req):
+                continue
+            drafts.append((s, req))
         size = 1 if self.cfg.serial else self.cfg.max_batch
         for i in range(0, len(drafts), size):
             if self.stopping.is_set():  # stop within one batch, however long the queue
@@ -156,10 +163,48 @@ class DraftServer:
         log.warning("refused a message of session %x: %s [%s]", tag, message, code)
         self._outbox.send(req.peer, P.Error(code, message, tag, getattr(req.msg, "step", -1)))
 
+    def _answer_ahead(self, s: Session, req: Request) -> bool:
+        """Answer a request from its session's pre-draft if it brings what the pre-draft assumed."""
+        chain = ahead.answer(s, req.tensors[0].tolist(), req.msg.reset)
+        if chain is None:
+            self.stats.count("predraft_misses")
+            return False
+        self.stats.count("predraft_hits")
+        s.last_chain = chain[:max(1, req.msg.budget - 1)]
+        self._reply(s, req, torch.tensor(s.last_chain, dtype=torch.int32),
+                    torch.arange(-1, len(s.last_chain) - 1, dtype=torch.int32), None,
+                    time.perf_counter(), time.perf_counter(), 1)
+        return True
+
+    def _predraft(self) -> None:
+        """Pre-draft the idle chain sessions (ahead.py), yielding to the first request that arrives."""
+        todo = [s for s in self.sessions if ahead.eligible(s)][:self.cfg.max_batch]
+        if not todo:
+            return
+        start = time.perf_counter()
+        try:
+            ahead.predraft(self.drafter, todo, stop=lambda: not self.q_in.empty() or self.stopping.is_set())
+            self.stats.count("predrafts", len(todo))
+        except Interrupted:
+            self.stats.count("predraft_yields")
+        except Exception:  # a pre-draft is optional work: its failure costs nothing but the attempt
+            log.exception("pre-draft of %d sessions failed", len(todo))
+            for s in todo:
+                s.last_chain = []  # not eligible again until its next real draft
+        self.stats.count("predraft_s", time.perf_counter() - start)
+
+    def _reply(self, s: Session, req: Request, tokens: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | None,
+               start: float, end: float, batch_size: int) -> None:
+        tensors = [tokens, parents] + ([q] if q is not None else [])
+        reply = P.DraftReply(s.tag, req.msg.step, (start - req.received) * 1e3, (end - start) * 1e3, batch_size,
+                             P.specs(*tensors))
+        self._outbox.send(s.peer, reply, tuple(tensors))
+        self.stats.count("replies")
+
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()
-        jobs = [DraftJob(s.seq, [] if r.msg.reset else r.tensors[0].tolist(), s.draft, s.sampling, s.generator,
-                         max_depth=r.msg.budget - 1) for s, r in items]
+        jobs = [DraftJob(s.seq, [] if r.msg.reset else s.carry + r.tensors[0].tolist(), s.draft, s.sampling,
+                         s.generator, max_depth=r.msg.budget - 1) for s, r in items]
         states = [None if s.generator is None else s.generator.get_state() for s, _ in items]
         try:
             trees = self.drafter.propose_batch(jobs)
@@ -168,13 +213,10 @@ class DraftServer:
         end = time.perf_counter()
         self.stats.batch(start, end, len(items))
         for (s, r), tree in zip(items, trees):
-            tensors = [tree.tokens.to(torch.int32), tree.parents.to(torch.int32)]
-            if tree.q is not None:
-                tensors.append(tree.q.float())
-            reply = P.DraftReply(s.tag, r.msg.step, (start - r.received) * 1e3, (end - start) * 1e3, len(items),
-                                 P.specs(*tensors))
-            self._outbox.send(s.peer, reply, tuple(tensors))
-            self.stats.count("replies")
+            s.carry = []
+            s.last_chain = tree.tokens.tolist() if s.draft.is_chain and tree.q is None else []
+            self._reply(s, r, tree.tokens.to(torch.int32), tree.parents.to(torch.int32),
+                        None if tree.q is None else tree.q.float(), start, end, len(items))
 
     def _isolate(self, items: list[tuple[Session, Request]], states: list) -> None:
         """A failed batch: retry its requests one by one, so only the culprit fails. The drafter

@@ -23,6 +23,7 @@ from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import Drafter, DraftSequence
 from starsd.spec.verify import make_generator
 from starsd.star import protocol as P
+from starsd.star.ahead import Ahead
 from starsd.star.stats import ServerStats
 
 log = logging.getLogger("starsd.sessions")
@@ -46,6 +47,10 @@ class Session:
     sampling: SamplingConfig | None = None
     generator: torch.Generator | None = None  # draws sampled drafts; on the drafter's device
     next_step: int = 0
+    carry: list[int] = field(default_factory=list)  # committed by the target, not yet by seq: they go in
+    # front of the next request's tokens (after a pre-drafted answer, its bonus guess; see ahead.py)
+    last_chain: list[int] = field(default_factory=list)  # the last chain sent (empty after a tree)
+    ahead: Ahead | None = None  # the pre-draft of its next request
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -65,6 +70,9 @@ class Sessions:
 
     def __contains__(self, tag: int) -> bool:
         return tag in self._by_tag
+
+    def __iter__(self):
+        return iter(list(self._by_tag.values()))
 
     def open(self, peer: bytes, hello: P.Hello) -> Session:
         """A new session for this connection (replacing its old one). Raises Refused."""
@@ -107,9 +115,10 @@ class Sessions:
             s.generator = make_generator(msg.sampling.seed + 1, self.drafter.device)
             s.seq = self.drafter.start(tokens.tolist())
             s.next_step = msg.step
+            s.carry, s.last_chain, s.ahead = [], [], None
         elif s.seq is None:
             raise Refused("reset_required", "this session has no draft state: send a reset request")
-        if len(s.seq.tokens) + (0 if msg.reset else tokens.shape[0]) > self.cfg.max_context:
+        if len(s.seq.tokens) + (0 if msg.reset else len(s.carry) + tokens.shape[0]) > self.cfg.max_context:
             s.seq = None
             raise Refused("context_full", f"the session would exceed {self.cfg.max_context} tokens")
         if msg.step != s.next_step:

@@ -27,10 +27,15 @@ class ServerStats:
         self.busy_s = 0.0
         self.hops = 0
         self.hop_s = 0.0
+        self.predrafts = 0  # sessions pre-drafted (ahead.py)
+        self.predraft_hits = 0  # requests answered from a pre-draft
+        self.predraft_misses = 0  # requests that came with other tokens than their pre-draft assumed
+        self.predraft_yields = 0  # pre-draft batches given up for a request that arrived
+        self.predraft_s = 0.0  # compute spent pre-drafting (not in busy_s)
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed."""
+        """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed, predraft_*."""
         with self.lock:
             setattr(self, name, getattr(self, name) + n)
 
@@ -62,6 +67,8 @@ class ServerStats:
                 "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
                 "sessions_freed": self.sessions_freed, "timeline": list(self.timeline),
                 "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0,
+                "predraft": {"sessions": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,
+                             "yields": self.predraft_yields, "seconds": self.predraft_s},
             }
 
 

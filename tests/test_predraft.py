@@ -1,0 +1,91 @@
+"""Pre-drafting (star/ahead.py): drafts made in the draft server's idle time change no output, and
+answer the requests whose outcome they assumed."""
+
+import time
+
+import pytest
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig, ServerConfig
+from starsd.models.drafter import DraftJob, Interrupted
+from starsd.spec.decode import speculative, target_only
+from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.launch import free_port
+from starsd.star.server import DraftServer
+
+FP = "f" * 64
+CHAIN = DraftConfig(depth=3, min_path_prob=0.0, adaptive=False)
+GREEDY = SamplingConfig()
+PROMPT = [5, 9, 2, 7, 1]
+
+
+def snapshot(seq):
+    """The committed state: tokens, and the keys and values of the cached ones."""
+    return list(seq.tokens), seq.cached, [s.keys[:, :, :seq.cached].clone() for s in seq.kv.layers]
+
+
+def same(a, b):
+    return a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+
+
+def test_a_clone_drafts_apart_and_an_interrupted_draft_changes_nothing(tiny_drafters):
+    drafter = tiny_drafters["good"]
+    seq = drafter.start(PROMPT)
+    tree = drafter.propose(seq, [], CHAIN, GREEDY)
+    before = snapshot(seq)
+    copy = seq.clone()
+    drafter.propose(copy, tree.tokens.tolist()[:2] + [3], CHAIN, GREEDY)
+    assert same(snapshot(seq), before) and seq.kept and len(copy.tokens) == len(seq.tokens) + 3
+    reference = seq.clone()
+    with pytest.raises(Interrupted):
+        drafter.propose_batch([DraftJob(seq, [4, 4], CHAIN, GREEDY)], stop=lambda: True)
+    assert same(snapshot(seq), before)
+    after = drafter.propose(seq, tree.tokens.tolist()[:1] + [6], CHAIN, GREEDY)  # as if nothing had happened
+    assert torch.equal(after.tokens, drafter.propose(reference, tree.tokens.tolist()[:1] + [6], CHAIN, GREEDY).tokens)
+
+
+class SlowTarget:
+    """The tiny target, taking `ms` per verify pass: the draft server is idle meanwhile."""
+
+    def __init__(self, target, ms):
+        self.target, self.ms = target, ms
+        self.device = target.device
+
+    def start(self, ids):
+        return self.target.start(ids)
+
+    def commit(self, seq, verdict):
+        self.target.commit(seq, verdict)
+
+    def score(self, seq, tree):
+        time.sleep(self.ms / 1e3)
+        return self.target.score(seq, tree)
+
+
+def generate(drafter, target, predraft: bool, n: int = 40):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = DraftServer(drafter, FP, 128, ServerConfig(bind=address, predraft=predraft))
+    thread = server.start()
+    client = DraftClient(address, FP, "t", timeout_s=10, heartbeat_s=0)
+    try:
+        client.hello()
+        got = speculative(SlowTarget(target, 30), RemoteDrafter(client), PROMPT, n, CHAIN, GREEDY)
+        return got, server.stats.snapshot(1)["predraft"]
+    finally:
+        client.close()
+        server.stop()
+        thread.join(timeout=5)
+
+
+@pytest.mark.parametrize("quality", ["perfect", "good", "random"])
+def test_predrafting_changes_no_output(tiny_target, tiny_drafters, quality):
+    want = target_only(tiny_target, PROMPT, 40, GREEDY).token_ids
+    on, stats = generate(tiny_drafters[quality], tiny_target, predraft=True)
+    off, off_stats = generate(tiny_drafters[quality], tiny_target, predraft=False)
+    assert on.token_ids == off.token_ids == want
+    assert off_stats["sessions"] == off_stats["hits"] == 0
+    assert stats["sessions"] > 0 and stats["hits"] + stats["misses"] <= on.num_steps
+    if quality == "perfect":  # every draft is accepted whole and the bonus guessed: nearly every request hits
+        assert stats["hits"] >= on.num_steps - 3 and on.accepted[1:-1] == [3] * (on.num_steps - 2)
+    if quality == "random":
+        assert stats["misses"] > stats["hits"]
