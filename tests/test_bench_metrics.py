@@ -11,6 +11,7 @@ import tiny
 from starsd import config as C
 from starsd.bench import metrics, scale
 from starsd.bench.multihost import networks
+from starsd.theory import sysmodel
 
 
 def row(target, started, trace, wall=None):
@@ -108,6 +109,16 @@ def test_network_list_parses():
     assert networks("0.2@1000,5,1@0") == [(0.2, 1000.0), (5.0, None), (1.0, None)]
 
 
+def test_out_of_sample_profile_takes_the_sweeps_shape_and_the_n1_points_scale():
+    in_sample = sysmodel.Profile({1: 90.0, 4: 200.0}, return_ms=300.0, tokens_per_iteration=3.0)
+    points = [{"mode": "batched", "n": 1, "batch_times": [(1, 100.0), (1, 120.0)]},
+              {"mode": "batched", "n": 4, "batch_times": [(4, 999.0)]}]  # never read: another point
+    got = scale.calibrated_profile(points, {"1": [50.0, 60.0], "2": [80.0]}, in_sample)
+    assert got.service_ms == pytest.approx({1: 110.0, 2: 160.0})
+    assert got.return_ms == 300.0 and got.tokens_per_iteration == 3.0
+    assert scale.calibrated_profile(points[1:], {"1": [50.0]}, in_sample) is None
+
+
 def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     t, d = tiny.save_pair(tmp_path)
     out = tmp_path / "scale.json"
@@ -138,6 +149,8 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     assert [r["n"] for r in checks["adaptive_vs_best_fixed"]] == [1, 3]
     assert {r["best_fixed_depth"] for r in checks["adaptive_vs_best_fixed"]} <= {2, 4}
     assert set(checks["per_target_vs_target_only"]) == {"star", "adaptive", "predraft", "batched", "batched-d2", "serial"}
+    oos = checks["out_of_sample"]
+    assert set(oos["batched"]["throughput_errors"]) == {"3"} and oos["batched"]["n_full_predicted"] > 0
     assert [r["n"] for r in checks["predraft_vs_batched"]] == [r["n"] for r in checks["star_vs_adaptive"]] == [1, 3]
     assert "replay" in result["replay"]["targets"]
     assert set(result["n_full"]) == {"serial", "batched"}

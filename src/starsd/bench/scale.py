@@ -116,6 +116,40 @@ def build_profile(points: list[dict], alone: list[metrics.Iteration], target_onl
         tokens_samples=tuple(it.tokens for it in drafted[:2000]))
 
 
+def calibrated_profile(points: list[dict], sweep: dict, in_sample: sysmodel.Profile) -> sysmodel.Profile | None:
+    """The model's inputs from a separate run only, for an out-of-sample prediction: the shape of
+    S(b) from the service sweep (this process, no targets beside it), scaled to the draft server's
+    own S(1) at the batched N = 1 point, and R and tau from that point (as in-sample). No other
+    point is used. None without a sweep or a batched N = 1 point."""
+    one = next((p for p in points if p["mode"] == "batched" and p["n"] == 1), None)
+    sweep = {int(b): statistics.fmean(v) for b, v in (sweep or {}).items() if v}
+    s1 = [ms for b, ms in (one or {}).get("batch_times", []) if b == 1]
+    if not s1 or 1 not in sweep:
+        return None
+    scale = statistics.fmean(s1) / sweep[1]
+    return dataclasses.replace(in_sample, service_ms={b: v * scale for b, v in sorted(sweep.items())})
+
+
+def out_of_sample(points: list[dict], profile: sysmodel.Profile | None) -> dict:
+    """The calibrated model's errors at every N but the one it was calibrated on, and on N_full."""
+    if profile is None:
+        return {}
+    out = {"profile_service_ms": {str(b): round(v, 1) for b, v in profile.service_ms.items()}}
+    for mode in ("serial", "batched"):
+        mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["n"])
+        if not mine:
+            continue
+        errors = {str(p["n"]): round(sysmodel.predict(profile, p["n"], mode == "serial").system_tokens_per_s
+                                     / p["system_tokens_per_s"] - 1, 3) for p in mine if p["n"] != 1}
+        predicted = sysmodel.n_full(profile, mode == "serial")
+        measured = mine[0]["n_full_measured"] if mine[0]["n"] == 1 else None
+        out[mode] = {"throughput_errors": errors,
+                     "throughput_max_error": max(map(abs, errors.values())) if errors else None,
+                     "n_full_predicted": predicted, "n_full_measured": measured,
+                     "n_full_error": abs(predicted / measured - 1) if measured else None}
+    return out
+
+
 def annotate(points: list[dict], profile: sysmodel.Profile, seed: int) -> dict:
     """Add model and simulator predictions to each draft-server point; return N_full per mode."""
     sims = {(s["mode"], s["n"]): s for s in simulate.compare(profile, points, seed)}
@@ -170,7 +204,7 @@ def depth_checks(by: dict[str, list[dict]]) -> dict:
     throughput against the best fixed depth measured at the same N."""
     out = {}
     fixed = sorted((m for m in by if m == "batched" or m.startswith("batched-d")),
-                   key=lambda m: by[m][0]["draft_depth"])
+                   key=lambda m: by[m][0].get("draft_depth", 0))
     if "target-only" in by:
         alone = by["target-only"][0]["per_target_tokens_per_s"]
         out["per_target_vs_target_only"] = {
@@ -185,7 +219,7 @@ def depth_checks(by: dict[str, list[dict]]) -> dict:
             if same_n:
                 best = max(same_n, key=lambda q: q["system_tokens_per_s"])
                 rows.append({"n": p["n"], "adaptive": round(p["system_tokens_per_s"], 2),
-                             "best_fixed": round(best["system_tokens_per_s"], 2), "best_fixed_depth": best["draft_depth"],
+                             "best_fixed": round(best["system_tokens_per_s"], 2), "best_fixed_depth": best.get("draft_depth"),
                              "ratio": round(p["system_tokens_per_s"] / best["system_tokens_per_s"], 3),
                              "adaptive_drafted_share": round(p["drafted_share"], 3)})
         out["adaptive_vs_best_fixed"] = rows
@@ -220,6 +254,7 @@ def plot(path_stem: str, result: dict) -> None:
     prediction, utilisation over time, per-token latency CDF."""
     points = result["points"]
     profile = sysmodel.Profile.from_json(result["profile"])
+    calibrated = calibrated_profile(points, result.get("service_sweep_ms"), profile)
     ns = sorted({p["n"] for p in points})
     colours = COLOURS | dict(zip(sorted({p["mode"] for p in points} - set(COLOURS)), MORE_COLOURS))
     panels = []
@@ -233,9 +268,11 @@ def plot(path_stem: str, result: dict) -> None:
                            "marker": "o", "color": colour})
             if mode in ("serial", "batched"):
                 grid = list(range(1, max(ns) + 1))
-                pred = [sysmodel.predict(profile, n, mode == "serial") for n in grid]
-                series.append({"label": f"{mode} (model)", "x": grid, "ls": "--", "color": colour,
-                               "y": [getattr(r, key) for r in pred]})
+                for prof, label, ls in ((profile, "model, in-sample", "--"), (calibrated, "model, calibrated apart", ":")):
+                    if prof is not None:
+                        pred = [sysmodel.predict(prof, n, mode == "serial") for n in grid]
+                        series.append({"label": f"{mode} ({label})", "x": grid, "ls": ls, "color": colour,
+                                       "y": [getattr(r, key) for r in pred]})
         panels.append({"series": series, "xlabel": "targets N", "ylabel": ylabel, "logx": True, "logy": True,
                        "title": ylabel.capitalize() + " vs N"})
     panel_plot(f"{path_stem}.png", panels)
@@ -256,8 +293,11 @@ def plot(path_stem: str, result: dict) -> None:
 
 def reanalyse(path: str, seed: int) -> int:
     result = json.loads(Path(path).read_text())
-    n_full = annotate(result["points"], sysmodel.Profile.from_json(result["profile"]), seed)
-    result.update(n_full=n_full, checks=checks(result["points"], n_full))
+    profile = sysmodel.Profile.from_json(result["profile"])
+    n_full = annotate(result["points"], profile, seed)
+    calibrated = calibrated_profile(result["points"], result.get("service_sweep_ms"), profile)
+    result.update(n_full=n_full, checks=checks(result["points"], n_full) | {
+        "out_of_sample": out_of_sample(result["points"], calibrated)})
     write_json(path, {k: v for k, v in result.items() if k != "meta"} | {"reanalysed_from": result.get("meta")})
     plot(str(path).rsplit(".", 1)[0], result)
     print(json.dumps(result["checks"], indent=1))
@@ -317,13 +357,14 @@ def main(args) -> int:
             points += derived(pts[0], "single-pair", ns)
     profile = build_profile(points, its[("batched", 1)], alone, args.max_batch)
     n_full = annotate(points, profile, args.seed)
+    calibrated = calibrated_profile(points, service, profile)
     result = {
         "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
                    "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": profile.to_json(), "service_sweep_ms": service,
         "n_full": n_full,
-        "checks": checks(points, n_full), "points": points,
+        "checks": checks(points, n_full) | {"out_of_sample": out_of_sample(points, calibrated)}, "points": points,
     }
     result["latency_cdf_ms"] = latency_cdf(its, n_full)
     write_json(args.json_out, result)

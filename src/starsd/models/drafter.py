@@ -61,6 +61,7 @@ class DraftJob:
     sampling: SamplingConfig
     generator: torch.Generator | None = None
     max_depth: int = 1 << 30  # the target's remaining budget may cap the depth
+    given: int = 0  # leading levels taken as given: min_path_prob counts the path below them only
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class Expansion:
     sampling: SamplingConfig
     generator: torch.Generator | None
     depth: int
+    given: int = 0
     nodes: list[_Node] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
@@ -117,8 +119,12 @@ class Expansion:
     def wants_more(self) -> bool:
         if self.level >= self.depth:
             return False
-        best = self.nodes[self.frontier[0]].score
-        return self.cfg.sample or self.cfg.min_path_prob <= 0 or best >= math.log(self.cfg.min_path_prob)
+        if self.cfg.sample or self.cfg.min_path_prob <= 0 or self.level <= self.given:
+            return True
+        node = base = self.nodes[self.frontier[0]]
+        while self.given and base.depth > self.given:  # the best path's node at the last given level
+            base = self.nodes[base.parent]
+        return node.score - (base.score if self.given else 0.0) >= math.log(self.cfg.min_path_prob)
 
     def tree(self) -> DraftTree:
         if self.cfg.sample:
@@ -174,7 +180,8 @@ class Drafter:
         for i, job in enumerate(jobs):  # prompts alone: no padding everyone else to their length
             if len(jobs) > 1 and (job.seq.cached == 0 or len(job.seq.tokens) - job.seq.cached > SOLO_INGEST):
                 roots[i] = _Batch(self.model, [job], self.passes).ingest([0])[0]
-        expansions = [Expansion(j.cfg, j.sampling, j.generator, max(1, min(j.cfg.depth, j.max_depth))) for j in jobs]
+        expansions = [Expansion(j.cfg, j.sampling, j.generator, max(1, min(j.cfg.depth, j.max_depth)), j.given)
+                      for j in jobs]
         batch = _Batch(self.model, jobs, self.passes)
         rest = [i for i in range(len(jobs)) if i not in roots]
         if rest:

@@ -46,7 +46,7 @@ def predraft(drafter: Drafter, sessions: list, stop=None) -> None:
     they were). A pre-draft too short to answer with is kept too, so that it is not redone."""
     copies = [s.seq.clone() for s in sessions]
     jobs = [DraftJob(c, s.carry + s.last_chain, dataclasses.replace(s.draft, depth=min(s.draft.depth + 1, MAX_DRAFT_DEPTH)),
-                     s.sampling) for s, c in zip(sessions, copies)]
+                     s.sampling, given=1) for s, c in zip(sessions, copies)]  # the bonus guess: as if committed
     trees = drafter.propose_batch(jobs, stop)
     for s, c, tree in zip(sessions, copies, trees):
         tokens = tree.tokens.tolist()
