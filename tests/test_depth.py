@@ -2,7 +2,7 @@
 
 import pytest
 
-from starsd.spec.depth import Acceptance, DepthPolicy, Line
+from starsd.spec.depth import Acceptance, DepthPolicy, Line, Table
 
 
 def test_line_fits_and_extrapolates():
@@ -15,6 +15,16 @@ def test_line_fits_and_extrapolates():
     flat = Line((5.0, 0.0), proportional=False)
     flat.add(3, 30.0)
     assert flat(1) == 30.0
+
+
+def test_table_interpolates_between_widths_and_averages_at_each():
+    table = Table(100.0, weight=0.5)
+    assert table(7) == 100.0
+    table.add(1, 600.0)
+    table.add(11, 2500.0)
+    assert table(1) == 600.0 and table(6) == pytest.approx(1550.0) and table(20) == 2500.0
+    table.add(1, 700.0)
+    assert table(1) == pytest.approx(650.0)
 
 
 def test_acceptance_by_position():
@@ -31,15 +41,16 @@ def test_acceptance_by_position():
 
 
 def run(policy: DepthPolicy, steps: int, decode_ms: float, verify_per_token: float, draft_per_level: float,
-        wait_ms: float, right: int = 8) -> list[int]:
-    """Feed the policy a synthetic stream whose drafts are right for their first `right` tokens."""
+        wait_ms: float, right: int = 8, verify=None) -> list[int]:
+    """Feed the policy a synthetic stream whose drafts are right for their first `right` tokens;
+    a verify pass of w tokens costs verify(w), by default decode_ms + verify_per_token * (w - 1)."""
+    verify = verify or (lambda w: decode_ms + verify_per_token * (w - 1))
     chosen = []
     for _ in range(steps):
         d = policy.choose(8)
         chosen.append(d)
         accepted = min(d, right)
-        policy.observe(d, accepted, wait_ms + draft_per_level * d if d else None, d + 1,
-                       decode_ms + verify_per_token * d)
+        policy.observe(d, accepted, wait_ms + draft_per_level * d if d else None, d + 1, verify(d + 1))
     return chosen
 
 
@@ -61,3 +72,16 @@ def test_shallow_when_verifying_is_expensive():
     chosen = run(DepthPolicy(8, explore=16), 96, decode_ms=100, verify_per_token=30, draft_per_level=10, wait_ms=2,
                  right=2)
     assert sum(d == 2 for d in chosen[-32:]) >= 28
+
+
+def test_decodes_alone_on_a_cpu_whose_verify_cost_jumps_after_one_token():
+    """This machine's 1.5B target in fp32 (verify ms by tokens scored, measured) and a draft right
+    for two tokens: no depth beats decoding alone (1/619 tokens per ms against at best 3/1894 at
+    depth 2). A cost line through the widths a deep draft uses would put one token near 2.4 s and
+    never let the stream decode alone."""
+    measured = {1: 619, 2: 1214, 3: 1812, 4: 1962, 6: 2128, 8: 2101, 11: 2499, 16: 2370}
+    table = Table(0.0)
+    for w, ms in measured.items():
+        table.add(w, ms)
+    chosen = run(DepthPolicy(8, explore=16), 128, 0, 0, draft_per_level=41, wait_ms=2, right=2, verify=table)
+    assert sum(d == 0 for d in chosen[-64:]) >= 56 and any(d > 0 for d in chosen[-64:])

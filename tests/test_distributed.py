@@ -223,3 +223,16 @@ def test_launch_ctrl_c_leaves_no_orphans(dirs):
     while [c for c in children if alive(c)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [c for c in children if alive(c)], "processes left behind"
+
+
+def test_launch_runs_a_local_star_and_reports_it(dirs, tmp_path):
+    out = tmp_path / "launch.json"
+    run = subprocess.run([*spawn_cmd(), "launch", "--targets", "2", "--target", dirs["target"], "--draft", dirs["draft"],
+                          "--dtype", "float32", "--limit", "4", "--max-new-tokens", "24", "--json-out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "system:" in run.stdout and "pre-drafting:" in run.stdout
+    result = json.loads(out.read_text())
+    server = result["draft_server"]
+    assert server["requests"] >= server["replies"] > 0 and server["predraft"]["hits"] <= server["requests"]
+    assert len(result["results"]) == 2 and out.with_suffix(".png").stat().st_size > 1000

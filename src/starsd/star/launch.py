@@ -170,7 +170,7 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
         client = DraftClient(star.address, "", "launcher", timeout_s=10)
         stats = client.stats()
         client.close()
-        summary["draft_server"] = {k: stats[k] for k in ("batch_sizes", "errors", "replies")}
+        summary["draft_server"] = {k: stats[k] for k in ("batch_sizes", "errors", "replies", "requests", "predraft")}
         summary["draft_server"]["utilization"] = busy_fraction(stats["timeline"], results[0]["go"],
                                                                results[0]["go"] + summary["wall_s"])
     except KeyboardInterrupt:
@@ -184,6 +184,9 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
     print(f"system: {summary['tokens']} tokens in {summary['wall_s']:.1f} s = {summary['system_tokens_per_s']:.2f} tok/s "
           f"over {n} targets; draft server utilisation {summary['draft_server']['utilization']:.0%}, "
           f"batch sizes {summary['draft_server']['batch_sizes']}")
+    ahead = summary["draft_server"]["predraft"]
+    print(f"pre-drafting: {ahead['hits']} of {summary['draft_server']['requests']} draft requests answered from a "
+          f"draft made in idle time ({ahead['sessions']} made, {ahead['yields']} given up for a request)")
     if json_out:
         names = list(summary["per_target"])
         bar_plot(str(json_out).rsplit(".", 1)[0] + ".png", [*names, "system"],
