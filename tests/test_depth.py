@@ -2,6 +2,8 @@
 
 import pytest
 
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import Acceptance, DepthPolicy, Line, Table
 
 
@@ -85,3 +87,16 @@ def test_decodes_alone_on_a_cpu_whose_verify_cost_jumps_after_one_token():
         table.add(w, ms)
     chosen = run(DepthPolicy(8, explore=16), 128, 0, 0, draft_per_level=41, wait_ms=2, right=2, verify=table)
     assert sum(d == 0 for d in chosen[-64:]) >= 56 and any(d > 0 for d in chosen[-64:])
+
+
+def test_one_policy_carries_over_a_streams_generations(tiny_target, tiny_drafters):
+    """A target keeps one policy for all its prompts: the second starts from what the first learnt."""
+    cfg = DraftConfig(depth=4)
+    policy = DepthPolicy(4)
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
+    gens = [speculative(tiny_target, tiny_drafters["good"], p, 24, cfg, SamplingConfig(), policy=policy)
+            for p in prompts]
+    for p, g in zip(prompts, gens):
+        assert g.token_ids == target_only(tiny_target, p, 24, SamplingConfig()).token_ids
+    assert policy.steps == sum(g.num_steps for g in gens)
+    assert sum(policy.acceptance.tried) > 0 and policy.verify_ms.values

@@ -89,3 +89,14 @@ def test_predrafting_changes_no_output(tiny_target, tiny_drafters, quality):
         assert stats["hits"] >= on.num_steps - 3 and on.accepted[1:-1] == [3] * (on.num_steps - 2)
     if quality == "random":
         assert stats["misses"] > stats["hits"]
+
+
+def test_recent_busy_reads_only_the_last_seconds():
+    from starsd.star.stats import ServerStats
+    stats = ServerStats()
+    now = time.perf_counter()
+    stats.batch(now - 10.0, now - 9.0, 1)  # long ago
+    stats.batch(now - 1.5, now - 0.5, 2)
+    stats.batch(now - 0.4, now - 0.2, 2)
+    assert stats.recent_busy(2.0) == pytest.approx(0.6, abs=0.01)
+    assert stats.recent_busy(1.0) == pytest.approx(0.7, abs=0.01)  # 0.5 of the first recent batch, 0.2 of the next

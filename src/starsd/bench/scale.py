@@ -58,24 +58,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "the plots of a result JSON from its measured points and profile")
 
 
-def run_server_mode(runner: harness.Runner, args, ns: list[int], mode: str, draft: C.DraftConfig, predraft: bool
-                    ) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
-    star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, mode == "serial", predraft))
+def run_server_mode(runner: harness.Runner, address: str, ns: list[int], mode: str, draft: C.DraftConfig,
+                    predraft: bool) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
+    """One mode's points against the draft server at `address` (modes with the same server
+    settings share one: its sessions end with each point)."""
     points = []
     its = {}
-    try:
-        for n in ns:
-            before = harness.server_stats(star.address)
-            pt, its[n] = runner.point(star.address, n, draft=draft)
-            pt = {"mode": mode, "draft_depth": draft.depth, "adaptive": draft.adaptive, "predraft": predraft, **pt}
-            if predraft:
-                pt["predrafting"] = predraft_figures(before, harness.server_stats(star.address))
-            points.append(pt)
-            print(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
-                  f"batch {pt.get('mean_batch', 0):.1f}, drafted {pt['drafted_share']:.0%} of steps, "
-                  f"latency CV {pt['latency_cv']:.2f}", flush=True)
-    finally:
-        star.close()
+    for n in ns:
+        before = harness.server_stats(address)
+        pt, its[n] = runner.point(address, n, draft=draft)
+        pt = {"mode": mode, "draft_depth": draft.depth, "adaptive": draft.adaptive, "predraft": predraft, **pt}
+        if predraft:
+            pt["predrafting"] = predraft_figures(before, harness.server_stats(address))
+        points.append(pt)
+        print(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
+              f"batch {pt.get('mean_batch', 0):.1f}, drafted {pt['drafted_share']:.0%} of steps, "
+              f"latency CV {pt['latency_cv']:.2f}", flush=True)
     return points, its
 
 
@@ -346,15 +344,23 @@ def main(args) -> int:
     print(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target", flush=True)
     points = derived(alone, "target-only", ns) if "target-only" in modes else []
     its = {}
-    for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths):
-        wanted = mode in modes or mode.startswith("batched-d")
-        if not wanted and mode != "batched":  # batched at N = 1 is the model's R and tau: always run
-            continue
-        pts, mode_its = run_server_mode(runner, args, ns if wanted else [1], mode, draft, predraft)
-        points += pts if wanted else []
-        its.update({(mode, n): v for n, v in mode_its.items()})
-        if mode == "batched" and "single-pair" in modes:
-            points += derived(pts[0], "single-pair", ns)
+    servers = {}  # (serial, predraft) -> a running draft server
+    try:
+        for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths):
+            wanted = mode in modes or mode.startswith("batched-d")
+            if not wanted and mode != "batched":  # batched at N = 1 is the model's R and tau: always run
+                continue
+            key = (mode == "serial", predraft)
+            if key not in servers:
+                servers[key] = start_server(pair, harness.server_config(args, *key))
+            pts, mode_its = run_server_mode(runner, servers[key].address, ns if wanted else [1], mode, draft, predraft)
+            points += pts if wanted else []
+            its.update({(mode, n): v for n, v in mode_its.items()})
+            if mode == "batched" and "single-pair" in modes:
+                points += derived(pts[0], "single-pair", ns)
+    finally:
+        for star in servers.values():
+            star.close()
     profile = build_profile(points, its[("batched", 1)], alone, args.max_batch)
     n_full = annotate(points, profile, args.seed)
     calibrated = calibrated_profile(points, service, profile)

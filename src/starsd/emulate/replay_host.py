@@ -16,6 +16,7 @@ import time
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget
 from starsd.spec.decode import speculative, target_only
+from starsd.spec.depth import DepthPolicy
 from starsd.star.client import DraftClient, RemoteDrafter, Timing
 
 
@@ -89,6 +90,7 @@ class Host:
     def _decode(self, i: int, name: str, client: DraftClient) -> None:
         target = ReplayTarget(self.recording, self.latency, seed=self.seed * 100_003 + i)
         drafter = RemoteDrafter(client)
+        policy = DepthPolicy(self.draft.depth)  # one per target: what it learns carries over its prompts
         eos = frozenset(self.recording.eos_ids)
         while True:
             for prompt_id, p in self.share(i):
@@ -102,7 +104,7 @@ class Host:
                                       self.deadline)
                 else:
                     gen = speculative(target, drafter, p["prompt_ids"], self.max_new_tokens, self.draft,
-                                      SamplingConfig(), eos, self.deadline)
+                                      SamplingConfig(), eos, self.deadline, policy)
                 t = drafter.timing
                 self._emit({
                     "target": name, "replay": True, "prompt_id": prompt_id, "token_ids": gen.token_ids,

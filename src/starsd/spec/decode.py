@@ -82,15 +82,20 @@ def target_only(target, prompt_ids: list[int], max_new_tokens: int,
 
 def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int,
                 draft_cfg: DraftConfig, sampling: SamplingConfig,
-                eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf) -> Generation:
+                eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf,
+                policy: DepthPolicy | None = None) -> Generation:
     """Draft -> verify -> accept until the budget, an EOS, or the first step ending past `deadline`
     (unix s; the generation so far is returned). With draft_cfg.adaptive a DepthPolicy picks each
-    step's depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one."""
+    step's depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one.
+    Pass one `policy` to every generation of a stream, so that what it learnt carries over."""
     require_prompt(prompt_ids)
     t0 = time.perf_counter()
     verify_gen = make_generator(sampling.seed, target.device)
     draft_gen = make_generator(sampling.seed + 1, drafter.device)
-    policy = DepthPolicy(draft_cfg.depth) if draft_cfg.adaptive else None
+    if not draft_cfg.adaptive:
+        policy = None
+    elif policy is None or policy.max_depth != draft_cfg.depth:
+        policy = DepthPolicy(draft_cfg.depth)
     seq = target.start(prompt_ids)
     dseq = drafter.start(prompt_ids)
     new_tokens: list[int] = []  # committed, not yet given to the drafter

@@ -7,7 +7,10 @@ draft one level deeper than the session's does both: its first level is the bonu
 levels below it the next draft. The result waits on the session with the outcome it assumed. A
 request carrying exactly those tokens is answered at once from it; any other is drafted as usual
 and the pre-draft is dropped. Real requests come first: a pre-draft yields at the next level
-boundary when a request arrives (past N_full the queue is never empty, so it never starts).
+boundary when a request arrives, and runs on a few sessions at a time (ROWS), so that a level, and
+the delay it can add to a request, stays short. It does not start while the server has been busy
+more than MAX_BUSY of the last LOOKBACK_S seconds: past N_full the gaps between batches are too
+short to use, and a pre-draft would only delay the next batch.
 
 The pre-draft runs on a copy of the session's draft state, so a miss costs nothing but the idle
 time it used. After a hit the bonus guess is a drafted node, not yet committed: it is carried
@@ -22,6 +25,10 @@ from dataclasses import dataclass
 
 from starsd.config import MAX_DRAFT_DEPTH
 from starsd.models.drafter import DraftJob, Drafter, DraftSequence
+
+ROWS = 2  # sessions pre-drafted together
+LOOKBACK_S = 2.0
+MAX_BUSY = 0.8  # of the last LOOKBACK_S seconds spent drafting: beyond it, no pre-drafting
 
 
 @dataclass

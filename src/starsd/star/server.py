@@ -62,8 +62,9 @@ class DraftServer:
         last_reap = time.monotonic()
         try:
             while not self.stopping.is_set():
-                self._handle(self._next_round())
-                if self.cfg.predraft and not self._deferred and self.q_in.empty():
+                todo = self._predraft_todo()
+                self._handle(self._next_round(wait=not todo))
+                if todo and not self._deferred and self.q_in.empty():
                     self._predraft()
                 if time.monotonic() - last_reap > 1.0:
                     self.sessions.reap()
@@ -103,13 +104,13 @@ class DraftServer:
             self._stats_at = now
         return self._stats_cache
 
-    def _next_round(self) -> list[Request]:
+    def _next_round(self, wait: bool = True) -> list[Request]:
         """The requests deferred from the last round, then everything in Q_in (waiting a little
         for the first one when there is nothing else to do)."""
         pending = self._deferred
         self._deferred = []
         try:
-            pending.append(self.q_in.get(timeout=0 if pending else 0.2))
+            pending.append(self.q_in.get(timeout=0.2 if wait and not pending else 0))
         except queue.Empty:
             return pending
         while True:
@@ -176,9 +177,16 @@ class DraftServer:
                     time.perf_counter(), time.perf_counter(), 1)
         return True
 
+    def _predraft_todo(self) -> list[Session]:
+        """The sessions to pre-draft now: none while the server has been nearly saturated (past N_full
+        the gaps between batches are too short to use), else up to ahead.ROWS idle chain sessions."""
+        if not self.cfg.predraft or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY:
+            return []
+        return [s for s in self.sessions if ahead.eligible(s)][:ahead.ROWS]
+
     def _predraft(self) -> None:
-        """Pre-draft the idle chain sessions (ahead.py), yielding to the first request that arrives."""
-        todo = [s for s in self.sessions if ahead.eligible(s)][:self.cfg.max_batch]
+        """Pre-draft some idle chain sessions (ahead.py), yielding to the first request that arrives."""
+        todo = self._predraft_todo()
         if not todo:
             return
         start = time.perf_counter()

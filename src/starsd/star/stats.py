@@ -47,6 +47,17 @@ class ServerStats:
             wall = time.time() - time.perf_counter()  # perf_counter -> wall clock, comparable across processes
             self.timeline.append((round(start + wall, 6), round(end + wall, 6), size))
 
+    def recent_busy(self, seconds: float) -> float:
+        """Share of the last `seconds` spent drafting."""
+        since = time.time() - seconds
+        busy = 0.0
+        with self.lock:
+            for a, b, _ in reversed(self.timeline):  # newest first: stop at the first batch before `since`
+                if b <= since:
+                    break
+                busy += b - max(a, since)
+        return busy / seconds
+
     def hop(self, seconds: float) -> None:
         """A reply's trip from the compute loop through the IO thread onto the socket."""
         with self.lock:

@@ -15,6 +15,7 @@ from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
 from starsd.spec.decode import speculative, target_only
+from starsd.spec.depth import DepthPolicy
 from starsd.star.client import DraftClient, RemoteDrafter, Timing
 
 
@@ -34,6 +35,7 @@ def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_token
             print(json.dumps({"ready": name}), flush=True)
             sys.stdin.readline()
         drafter = RemoteDrafter(client)
+        policy = DepthPolicy(draft.depth)  # one for the whole run: what it learns carries over the prompts
         for prompt in prompts:
             ids = prompt.encode(pair.tokenizer)
             drafter.timing = Timing()
@@ -41,7 +43,7 @@ def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_token
             if no_spec:
                 gen = target_only(pair.target, ids, max_new_tokens, sampling, eos)
             else:
-                gen = speculative(pair.target, drafter, ids, max_new_tokens, draft, sampling, eos)
+                gen = speculative(pair.target, drafter, ids, max_new_tokens, draft, sampling, eos, policy=policy)
             text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             if as_json:
                 print(json.dumps({
