@@ -235,4 +235,5 @@ def test_launch_runs_a_local_star_and_reports_it(dirs, tmp_path):
     result = json.loads(out.read_text())
     server = result["draft_server"]
     assert server["requests"] >= server["replies"] > 0 and server["predraft"]["hits"] <= server["requests"]
-    assert len(result["results"]) == 2 and out.with_suffix(".png").stat().st_size > 1000
+    assert len(result["results"]) == 4 and {r["target"] for r in result["results"]} == {"target-0", "target-1"}
+    assert out.with_suffix(".png").stat().st_size > 1000

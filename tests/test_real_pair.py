@@ -25,9 +25,9 @@ def pair():
 
 @pytest.mark.parametrize("prompt, draft", [
     (Prompt("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", chat=False),
-     DraftConfig(depth=5, min_path_prob=0.0)),
+     DraftConfig(depth=5, min_path_prob=0.0, adaptive=False)),
     (Prompt("chat", "Write a Python function that checks whether a string is a palindrome.", chat=True),
-     DraftConfig(depth=4, top_k=2, total_tokens=6)),
+     DraftConfig(depth=4, top_k=2, total_tokens=6, adaptive=False)),
 ], ids=["code-chain", "chat-tree"])
 def test_real_pair_greedy_is_lossless(pair, prompt, draft):
     """One draft shape per prompt: fp32 on this CPU costs minutes per generation of the 1.5B."""
