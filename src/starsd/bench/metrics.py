@@ -106,7 +106,7 @@ def point(its: list[Iteration], n: int, w0: float, w1: float, timeline: list | N
         "per_target_tokens_per_s": sum(by_target.values()) / seconds / n,
         "per_target_min_tokens_per_s": min(by_target.get(t, 0) for t in _names(its, n)) / seconds,
         "tokens_per_iteration": statistics.fmean(it.tokens for it in inside),
-        "drafted_share": sum(1 for it in inside if it.batch) / len(inside),  # steps that verified a draft
+        "drafted_share": len(drafted) / len(inside),  # steps that verified a draft
         "t_gamma_ms": statistics.fmean(it.ms for it in inside),
         "t_gamma_cv": statistics.pstdev(it.ms for it in inside) / statistics.fmean(it.ms for it in inside),
         "latency_mean_ms": mean_lat, "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),

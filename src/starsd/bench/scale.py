@@ -167,8 +167,9 @@ def annotate(points: list[dict], profile: sysmodel.Profile, seed: int) -> dict:
     return n_full
 
 
-def checks(points: list[dict], n_full: dict) -> dict:
-    """The issue's targets, each with the figures it was judged on."""
+def checks(points: list[dict], n_full: dict, calibrated: sysmodel.Profile | None = None) -> dict:
+    """The issue's targets, each with the figures it was judged on (`calibrated`: the model's
+    profile calibrated apart, for its out-of-sample errors)."""
     by = {m: sorted((p for p in points if p["mode"] == m), key=lambda p: p["n"]) for m in {p["mode"] for p in points}}
     out = {}
     for mode, nf in n_full.items():
@@ -190,6 +191,7 @@ def checks(points: list[dict], n_full: dict) -> dict:
                                     "saturated_throughput_ratio": sat["batched"] / sat["serial"]}
     out.update(depth_checks(by))
     out.update(predraft_checks(by))
+    out["out_of_sample"] = out_of_sample(points, calibrated)
     if "single-pair" in by and "batched" in n_full:
         at = min(by["batched"], key=lambda p: abs(p["n"] - n_full["batched"]["measured"]))
         out["latency_cv"] = {"single_pair": by["single-pair"][0]["latency_cv"], "batched_n": at["n"],
@@ -294,8 +296,7 @@ def reanalyse(path: str, seed: int) -> int:
     profile = sysmodel.Profile.from_json(result["profile"])
     n_full = annotate(result["points"], profile, seed)
     calibrated = calibrated_profile(result["points"], result.get("service_sweep_ms"), profile)
-    result.update(n_full=n_full, checks=checks(result["points"], n_full) | {
-        "out_of_sample": out_of_sample(result["points"], calibrated)})
+    result.update(n_full=n_full, checks=checks(result["points"], n_full, calibrated))
     write_json(path, {k: v for k, v in result.items() if k != "meta"} | {"reanalysed_from": result.get("meta")})
     plot(str(path).rsplit(".", 1)[0], result)
     print(json.dumps(result["checks"], indent=1))
@@ -370,7 +371,7 @@ def main(args) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": profile.to_json(), "service_sweep_ms": service,
         "n_full": n_full,
-        "checks": checks(points, n_full) | {"out_of_sample": out_of_sample(points, calibrated)}, "points": points,
+        "checks": checks(points, n_full, calibrated), "points": points,
     }
     result["latency_cdf_ms"] = latency_cdf(its, n_full)
     write_json(args.json_out, result)

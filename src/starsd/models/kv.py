@@ -91,11 +91,7 @@ class KV(Cache):
             return
         new = max(capacity, 2 * self.capacity)
         for slab in self.layers:
-            for name in ("keys", "values"):
-                old = getattr(slab, name)
-                grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
-                grown[:, :, :slab.length] = old[:, :, :slab.length]
-                setattr(slab, name, grown)
+            slab.keys, slab.values = _resized(slab.keys, slab.length, new), _resized(slab.values, slab.length, new)
 
     def gather(self, sources: list[KV], lengths: list[int]) -> None:
         """Row r := the first lengths[r] columns of sources[r] (a one-row KV); length := max(lengths)."""
@@ -116,15 +112,8 @@ class KV(Cache):
     def clone(self, spare: int = 64) -> KV:
         """A copy of the filled columns, with room for `spare` more."""
         n = self.length
-        slabs = []
-        for slab in self.layers:
-            copies = []
-            for t in (slab.keys, slab.values):
-                c = t.new_zeros((*t.shape[:2], n + spare, t.shape[3]))
-                c[:, :, :n] = t[:, :, :n]
-                copies.append(c)
-            slabs.append(Slab(*copies, n))
-        return KV(slabs)
+        return KV([Slab(_resized(slab.keys, n, n + spare), _resized(slab.values, n, n + spare), n)
+                   for slab in self.layers])
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows `rows`, in that order."""
@@ -132,3 +121,10 @@ class KV(Cache):
             idx = rows.to(slab.keys.device)
             slab.keys = slab.keys.index_select(0, idx)
             slab.values = slab.values.index_select(0, idx)
+
+
+def _resized(t: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    """A new zeroed tensor of `capacity` columns holding t's first `length` columns."""
+    out = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
+    out[:, :, :length] = t[:, :, :length]
+    return out

@@ -37,17 +37,24 @@ class Line:
     proportional: bool
     window: int = 48
     points: deque = field(default_factory=deque)
+    _fitted: tuple[float, float] | None = field(default=None, repr=False)  # fit() until the next add()
 
     def add(self, x: float, y: float) -> None:
         self.points.append((x, y))
         if len(self.points) > self.window:
             self.points.popleft()
+        self._fitted = None
 
     def __call__(self, x: float) -> float:
         a, b = self.fit()
         return max(0.0, a + b * x)
 
     def fit(self) -> tuple[float, float]:
+        if self._fitted is None:
+            self._fitted = self._least_squares()
+        return self._fitted
+
+    def _least_squares(self) -> tuple[float, float]:
         if not self.points:
             return self.prior
         n = len(self.points)
@@ -154,11 +161,12 @@ class DepthPolicy:
     def choose(self, limit: int) -> int:
         """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""
         limit = max(0, min(limit, self.max_depth))
-        best = max(range(limit + 1), key=self.rate)
+        rates = [self.rate(d) for d in range(limit + 1)]
+        best = max(range(limit + 1), key=rates.__getitem__)
         self.steps += 1
         if self.steps % self.explore == 0 and limit > 0:  # look beside the choice now and then
             if best == 0:
-                best = max(range(1, limit + 1), key=self.rate)  # is the best draft worth asking for again?
+                best = max(range(1, limit + 1), key=rates.__getitem__)  # is the best draft worth asking for again?
             else:
                 best = [0, best - 1, min(limit, best + 1)][(self.steps // self.explore - 1) % 3]
         self.chosen = best

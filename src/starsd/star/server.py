@@ -24,6 +24,7 @@ import torch
 
 from starsd.config import MAX_DRAFT_NODES, ServerConfig
 from starsd.models.drafter import DraftJob, Drafter, Interrupted
+from starsd.spec.tree import DraftTree
 from starsd.star import ahead
 from starsd.star import protocol as P
 from starsd.star.sessions import Refused, Session, Sessions
@@ -172,9 +173,8 @@ class DraftServer:
             return False
         self.stats.count("predraft_hits")
         s.last_chain = chain[:max(1, req.msg.budget - 1)]
-        self._reply(s, req, torch.tensor(s.last_chain, dtype=torch.int32),
-                    torch.arange(-1, len(s.last_chain) - 1, dtype=torch.int32), None,
-                    time.perf_counter(), time.perf_counter(), 1)
+        now = time.perf_counter()
+        self._reply(s, req, DraftTree.chain(s.last_chain), now, now, 1)
         return True
 
     def _predraft_todo(self) -> list[Session]:
@@ -201,9 +201,10 @@ class DraftServer:
                 s.last_chain = []  # not eligible again until its next real draft
         self.stats.count("predraft_s", time.perf_counter() - start)
 
-    def _reply(self, s: Session, req: Request, tokens: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | None,
-               start: float, end: float, batch_size: int) -> None:
-        tensors = [tokens, parents] + ([q] if q is not None else [])
+    def _reply(self, s: Session, req: Request, tree: DraftTree, start: float, end: float, batch_size: int) -> None:
+        tensors = [tree.tokens.to(torch.int32), tree.parents.to(torch.int32)]
+        if tree.q is not None:
+            tensors.append(tree.q.float())
         reply = P.DraftReply(s.tag, req.msg.step, (start - req.received) * 1e3, (end - start) * 1e3, batch_size,
                              P.specs(*tensors))
         self._outbox.send(s.peer, reply, tuple(tensors))
@@ -223,8 +224,7 @@ class DraftServer:
         for (s, r), tree in zip(items, trees):
             s.carry = []
             s.last_chain = tree.tokens.tolist() if s.draft.is_chain and tree.q is None else []
-            self._reply(s, r, tree.tokens.to(torch.int32), tree.parents.to(torch.int32),
-                        None if tree.q is None else tree.q.float(), start, end, len(items))
+            self._reply(s, r, tree, start, end, len(items))
 
     def _isolate(self, items: list[tuple[Session, Request]], states: list) -> None:
         """A failed batch: retry its requests one by one, so only the culprit fails. The drafter
