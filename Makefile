@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 models: $(STAMP)
 	$(VENV)/bin/starsd models fetch
 
+# A local star behind its OpenAI-compatible endpoint, queried with the openai client.
 demo: models
-	$(VENV)/bin/starsd launch --targets 2 --limit 4 --max-new-tokens 64 --json-out results/demo.json
+	$(VENV)/bin/starsd demo --targets 2 --max-tokens 64 --json-out results/demo.json
 
 # The real pair was just fetched: its tests must run, not skip.
 test: models

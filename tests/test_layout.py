@@ -18,8 +18,9 @@ ALLOWED = {  # part -> the parts it may import besides itself
     "models": BASE | {"spec"},
     "star": BASE | {"spec", "models"},
     "emulate": BASE | {"theory", "spec", "models", "star"},
-    "bench": BASE | {"theory", "spec", "models", "star", "emulate"},
-    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "bench"},
+    "serve": BASE | {"star"},  # the HTTP gateway: talks to target servers over the star's wire
+    "bench": BASE | {"theory", "spec", "models", "star", "emulate", "serve"},
+    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "bench"},
 }
 
 

@@ -138,6 +138,45 @@ def cmd_target(args) -> int:
                       wait_go=args.wait_go, timeout_s=args.timeout)
 
 
+def args_target_server(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bind", required=True, help="ZeroMQ address for generation requests, e.g. tcp://127.0.0.1:6000")
+    p.add_argument("--connect", default="", help="the draft server's address (empty: decode alone, no speculation)")
+    p.add_argument("--name", default="target")
+    p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
+    C.add_flags(p, C.PairConfig, skip=C.DRAFT_SIDE)
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
+
+
+def cmd_target_server(args) -> int:
+    import logging
+    import signal
+
+    from starsd.models.loading import logits_width, vocab_fingerprint
+    from starsd.models.pair import Pair
+    from starsd.star.client import DraftClient
+    from starsd.star.target_server import TargetServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    cfg = C.from_args(C.PairConfig, args)
+    pair = Pair.load(cfg.target_model(), None, cfg.cache, cfg.threads)
+    client = None
+    if args.connect:
+        client = DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)),
+                             args.name, args.timeout)
+        client.hello()
+    server = TargetServer(pair, args.bind, client, C.from_args(C.DraftConfig, args, prefix="draft-"), args.name,
+                          args.served_model_name or cfg.target)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    try:
+        server.serve(on_ready=lambda: print(json.dumps({"ready": args.bind}), flush=True))
+    finally:
+        if client:
+            client.close()
+    return 0
+
+
 def args_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", type=int, default=2, help="number of target processes N")
     p.add_argument("--prompts", default="humaneval")
@@ -157,6 +196,54 @@ def cmd_launch(args) -> int:
     return run_local_star(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args), args.targets,
                           args.prompts, args.limit, args.max_new_tokens, [a for a in args.target_extra if a != "--"],
                           args.port, args.json_out)
+
+
+def args_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--targets", type=int, default=2, help="target servers of a local star (ignored with --target-server)")
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's HTTP address")
+    p.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
+    p.add_argument("--target-server", action="append", default=[], metavar="ADDR",
+                   help="a running target server's ZeroMQ address (repeat); then no local star is started")
+    p.add_argument("--draft-server", default="", metavar="ADDR",
+                   help="with --target-server: the running draft server's address, for /metrics")
+    p.add_argument("--no-spec", action="store_true", help="local targets decode alone (a baseline; no draft server)")
+    p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
+    p.add_argument("--max-queue", type=int, default=32, help="requests waiting for a free target at most; "
+                   "beyond it a request gets HTTP 503")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated when a request names no max_tokens")
+    p.add_argument("--step-timeout", type=float, default=300.0, help="seconds a target may take for one step "
+                   "(its prefill included) before it is taken out of service")
+    p.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on /v1 (empty: open)")
+    C.add_flags(p, C.PairConfig)
+    C.add_flags(p, C.ServerConfig, skip=("bind",))
+    C.add_flags(p, C.DraftConfig, prefix="draft-")
+    p.set_defaults(threads=1)  # three or more processes share the cores
+
+
+def cmd_serve(args) -> int:
+    from starsd.serve import local
+    from starsd.serve.gateway import GatewayConfig
+
+    cfg = GatewayConfig(tuple(args.target_server), args.draft_server, args.max_queue, args.max_tokens,
+                        args.step_timeout, api_key=args.api_key)
+    if args.target_server:
+        return local.serve_remote(cfg, args.host, args.port)
+    return local.serve_local(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
+                             C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg, args.host,
+                             args.port, spec=not args.no_spec, model_name=args.served_model_name)
+
+
+def args_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--targets", type=int, default=2, help="target servers (requests sent at once: one per target)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request at most")
+    p.add_argument("--json-out", default="results/demo.json", help="results as JSON (and a PNG beside it)")
+    p.add_argument("serve_extra", nargs=argparse.REMAINDER, help="after --: more flags for `starsd serve`")
+
+
+def cmd_demo(args) -> int:
+    from starsd.serve import demo
+
+    return demo.run([a for a in args.serve_extra if a != "--"], args.targets, args.max_tokens, args.json_out)
 
 
 def args_replay_targets(p: argparse.ArgumentParser) -> None:
@@ -241,7 +328,13 @@ COMMANDS = {  # name: (help, flags, run)
     "draft-server": ("serve one draft model to many target workers (ZeroMQ ROUTER)", args_draft_server,
                      cmd_draft_server),
     "target": ("a target worker: verify locally, draft on a draft server", args_target, cmd_target),
+    "target-server": ("a target that serves generation requests (ZeroMQ) as long as it runs", args_target_server,
+                      cmd_target_server),
     "launch": ("a local star: one draft server and N targets on this machine", args_launch, cmd_launch),
+    "serve": ("an OpenAI-compatible endpoint in front of a star (local, or running elsewhere)", args_serve,
+              cmd_serve),
+    "demo": ("start a local star with its OpenAI endpoint, query it with the openai client, stop it", args_demo,
+             cmd_demo),
     "replay-targets": ("N replay targets in one process (remote targets emulated; greedy)", args_replay_targets,
                        cmd_replay_targets),
     "stats": ("print a draft server's counters (JSON): batches, utilisation, timeline", args_stats, cmd_stats),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from starsd.config import DraftConfig, SamplingConfig
@@ -57,39 +58,73 @@ def require_prompt(prompt_ids: list[int]) -> None:
         raise ValueError("empty prompt: at least one token is needed to condition on")
 
 
-def target_only(target, prompt_ids: list[int], max_new_tokens: int,
-                sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
-                deadline: float = math.inf) -> Generation:
-    require_prompt(prompt_ids)
+@dataclass(frozen=True)
+class Step:
+    """One target step of a stream: the tokens it emitted (accepted drafts + one more, cut at the
+    budget or an EOS) and its draft's figures."""
+
+    tokens: list[int]
+    accepted: int = 0  # drafted tokens the target accepted
+    depth: int = 0  # depth of the draft it verified (0: the step decoded alone)
+    asked: int = 0  # depth asked of the drafter (0: not asked)
+    end: float = 0.0  # unix time the step ended
+
+
+def collect(steps, deadline: float = math.inf) -> Generation:
+    """Run a stream of Steps to its end, or to the first step ending past `deadline` (unix s)."""
     t0 = time.perf_counter()
+    gen = Generation([], 0)
+    for step in steps:
+        gen.token_ids += step.tokens
+        gen.num_steps += 1
+        gen.accepted.append(step.accepted)
+        gen.depths.append(step.depth)
+        gen.asked.append(step.asked)
+        gen.trace.append((step.end, len(step.tokens)))
+        if step.end > deadline:
+            break
+    gen.seconds = time.perf_counter() - t0
+    return gen
+
+
+def target_only(target, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
+                eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf) -> Generation:
+    return collect(target_only_steps(target, prompt_ids, max_new_tokens, sampling, eos_ids), deadline)
+
+
+def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
+                sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf,
+                policy: DepthPolicy | None = None) -> Generation:
+    """The whole generation of speculative_steps, or its steps up to the first ending past `deadline`."""
+    return collect(speculative_steps(target, drafter, prompt_ids, max_new_tokens, draft_cfg, sampling, eos_ids,
+                                     policy), deadline)
+
+
+def target_only_steps(target, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
+                      eos_ids: frozenset[int] = frozenset()) -> Iterator[Step]:
+    """Decode one token per target step. A consumer that stops iterating ends the stream."""
+    require_prompt(prompt_ids)
     gen = make_generator(sampling.seed, target.device)
     seq = target.start(prompt_ids)
-    out: list[int] = []
-    trace: list[tuple[float, int]] = []
-    steps = 0
+    produced = 0
     done = max_new_tokens <= 0
     while not done:
         logits = target.score(seq, DraftTree.empty())
-        steps += 1
-        emitted, done = clip([next_token(logits[0], sampling, gen)], max_new_tokens - len(out), eos_ids)
-        out += emitted
-        trace.append((time.time(), len(emitted)))
-        done = done or trace[-1][0] > deadline
+        emitted, done = clip([next_token(logits[0], sampling, gen)], max_new_tokens - produced, eos_ids)
+        produced += len(emitted)
+        yield Step(emitted, end=time.time())
         if not done:
             target.commit(seq, Verdict([], emitted))
-    return Generation(out, steps, seconds=time.perf_counter() - t0, trace=trace)
 
 
-def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int,
-                draft_cfg: DraftConfig, sampling: SamplingConfig,
-                eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf,
-                policy: DepthPolicy | None = None) -> Generation:
-    """Draft -> verify -> accept until the budget, an EOS, or the first step ending past `deadline`
-    (unix s; the generation so far is returned). With draft_cfg.adaptive a DepthPolicy picks each
-    step's depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one.
+def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
+                      sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
+                      policy: DepthPolicy | None = None) -> Iterator[Step]:
+    """Draft -> verify -> accept until the budget or an EOS, one Step per target pass; a consumer
+    that stops iterating ends the stream. With draft_cfg.adaptive a DepthPolicy picks each step's
+    depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one.
     Pass one `policy` to every generation of a stream, so that what it learnt carries over."""
     require_prompt(prompt_ids)
-    t0 = time.perf_counter()
     verify_gen = make_generator(sampling.seed, target.device)
     draft_gen = make_generator(sampling.seed + 1, drafter.device)
     if not draft_cfg.adaptive:
@@ -99,14 +134,10 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int,
     seq = target.start(prompt_ids)
     dseq = drafter.start(prompt_ids)
     new_tokens: list[int] = []  # committed, not yet given to the drafter
-    out: list[int] = []
-    accepted: list[int] = []
-    depths: list[int] = []
-    asked: list[int] = []
-    trace: list[tuple[float, int]] = []
+    produced = 0
     done = max_new_tokens <= 0
     while not done:
-        budget = max_new_tokens - len(out)  # at most budget tokens come out: budget-1 drafted + 1
+        budget = max_new_tokens - produced  # at most budget tokens come out: budget-1 drafted + 1
         depth = policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
         draft_ms = None
         if depth > 0:
@@ -123,14 +154,9 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int,
         if policy:
             policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1,
                            (time.perf_counter() - t_verify) * 1e3)
-        accepted.append(verdict.num_accepted)
-        depths.append(tree.depth())
-        asked.append(depth)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
-        out += emitted
-        trace.append((time.time(), len(emitted)))
-        done = done or trace[-1][0] > deadline
+        produced += len(emitted)
+        yield Step(emitted, verdict.num_accepted, tree.depth(), depth, time.time())
         if not done:
             target.commit(seq, verdict)
             new_tokens += verdict.tokens
-    return Generation(out, len(accepted), accepted, time.perf_counter() - t0, trace, depths, asked)

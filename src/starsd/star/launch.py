@@ -38,12 +38,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
+def spawn(args: list[str], prefix: list[str] = (), stderr=None) -> subprocess.Popen:
     """`starsd ARGS` as a child; `prefix` runs it through a wrapper (e.g. `ip netns exec NS`).
-    Its stderr is the launcher's; loading progress bars of several children would only garble it."""
+    Its stderr is the launcher's unless given (a file); loading progress bars of several children
+    would only garble it."""
     env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     return subprocess.Popen([*prefix, sys.executable, "-m", "starsd.cli", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent, env=env)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=_die_with_parent, env=env)
 
 
 def read_json_line(proc: subprocess.Popen, key: str, timeout_s: float) -> dict:
@@ -66,12 +67,12 @@ def read_json_line(proc: subprocess.Popen, key: str, timeout_s: float) -> dict:
 class Star:
     """Handles to a running local star; `close()` stops every process."""
 
-    server: subprocess.Popen
+    server: subprocess.Popen | None  # None: targets that decode alone
     address: str
     targets: list[subprocess.Popen] = field(default_factory=list)
 
     def close(self) -> None:
-        procs = [*self.targets, self.server]
+        procs = [p for p in (*self.targets, self.server) if p is not None]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

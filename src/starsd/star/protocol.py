@@ -11,6 +11,12 @@ One draft iteration of a session:
   target -> server  DraftRequest(tag, step, tokens = committed since the last request [, hidden])
   server -> target  DraftReply(tag, step, tokens, parents [, q])
 The first request of a generation stream carries reset=True, the whole prompt and the settings.
+
+A target server (star/target_server.py) speaks the same wire to whoever sends it work (the gateway):
+  gateway -> target  Describe                       target -> gateway  TargetInfo
+  gateway -> target  Generate(id, prompt or messages, limits, sampling)
+  target -> gateway  Output(id, text delta, step figures) per target step; the last one has a finish reason
+  gateway -> target  Cancel(id): the stream ends after the step in progress
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ MAX_TOKENS_PER_REQUEST = 32768
 MAX_HIDDEN = 1 << 16
 MAX_DIM = 1 << 24  # any one tensor dimension
 MAX_FRAME_BYTES = 64 << 20  # any one frame; the server's socket refuses larger messages outright
+MAX_PROMPT_CHARS = 1 << 20  # a Generate's prompt text, or all its messages together
+MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 256
 
 # Received frames are read-only buffers; tensors view them without copying and are never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -58,6 +67,11 @@ class MsgType(enum.IntEnum):
     PONG = 8
     STATS_REQUEST = 9
     STATS = 10
+    DESCRIBE = 11
+    TARGET_INFO = 12
+    GENERATE = 13
+    OUTPUT = 14
+    CANCEL = 15
 
 
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -128,17 +142,67 @@ class Stats(msgspec.Struct, array_like=True, frozen=True):
     json: str  # the server's counters, a JSON object (see star.stats.ServerStats)
 
 
+class Describe(msgspec.Struct, array_like=True, frozen=True):
+    pass
+
+
+class TargetInfo(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    model: str  # what the target serves, as clients name it
+    max_context: int  # prompt + generated tokens one stream may hold
+    speculative: bool  # drafts through a draft server (False: decodes alone)
+    busy: bool  # a stream is running now
+
+
+class Message(msgspec.Struct, array_like=True, frozen=True):
+    role: str
+    content: str
+
+
+class Generate(msgspec.Struct, array_like=True, frozen=True):
+    """One generation stream. Exactly one of `prompt` (raw text) and `messages` (through the
+    target's chat template)."""
+
+    id: int  # chosen by the sender; every Output and a Cancel carry it
+    prompt: str | None
+    messages: tuple[Message, ...] | None
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: tuple[str, ...] = ()  # the text ends before the first of these
+    ignore_eos: bool = False  # always decode max_tokens (load tests)
+
+
+class Output(msgspec.Struct, array_like=True, frozen=True):
+    """What one target step added to a stream. `finish` is "" until the last Output of the stream:
+    then "stop" (an EOS or a stop string), "length" (max_tokens) or "cancelled"."""
+
+    id: int
+    text: str  # new text (held back while it could still become a stop string)
+    tokens: int  # tokens this step emitted
+    drafted: int  # depth of the draft this step verified (0: decoded alone)
+    accepted: int  # drafted tokens accepted
+    finish: str = ""
+    prompt_tokens: int = 0  # the prompt's length, on the first Output
+
+
+class Cancel(msgspec.Struct, array_like=True, frozen=True):
+    id: int
+
+
 STRUCTS: dict[MsgType, type] = {
     MsgType.HELLO: Hello, MsgType.WELCOME: Welcome, MsgType.DRAFT_REQUEST: DraftRequest,
     MsgType.DRAFT_REPLY: DraftReply, MsgType.BYE: Bye, MsgType.ERROR: Error, MsgType.PING: Ping,
     MsgType.PONG: Pong, MsgType.STATS_REQUEST: StatsRequest, MsgType.STATS: Stats,
+    MsgType.DESCRIBE: Describe, MsgType.TARGET_INFO: TargetInfo, MsgType.GENERATE: Generate,
+    MsgType.OUTPUT: Output, MsgType.CANCEL: Cancel,
 }
 TYPES = {cls: t for t, cls in STRUCTS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in STRUCTS.items()}
-# A ValidationError's path into a DraftRequest's settings fields, e.g. "- at `$[3]`" or "`$[4].top_p`".
-_SETTINGS_AT = re.compile(r"at `\$\[(%d|%d)\]" % (DraftRequest.__struct_fields__.index("draft"),
-                                                   DraftRequest.__struct_fields__.index("sampling")))
+# A ValidationError's path into a message's settings fields, e.g. "- at `$[3]`" or "`$[4].top_p`".
+_SETTINGS_AT = {kind: re.compile(r"at `\$\[(%s)\]" % "|".join(str(STRUCTS[kind].__struct_fields__.index(f))
+                                                                for f in fields))
+                for kind, fields in ((MsgType.DRAFT_REQUEST, ("draft", "sampling")), (MsgType.GENERATE, ("sampling",)))}
 _DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -174,7 +238,8 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
     try:
         msg = _DECODERS[kind].decode(head[1:])
     except msgspec.ValidationError as e:  # settings that fail DraftConfig's / SamplingConfig's checks
-        code = "bad_settings" if kind == MsgType.DRAFT_REQUEST and _SETTINGS_AT.search(str(e)) else "bad_header"
+        settings = _SETTINGS_AT.get(kind)
+        code = "bad_settings" if settings and settings.search(str(e)) else "bad_header"
         raise ProtocolError(code, f"malformed {kind.name} header: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError("bad_header", f"malformed {kind.name} header: {e}") from None
@@ -221,6 +286,16 @@ def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
             raise ProtocolError("bad_request", "a reset request must carry draft and sampling settings")
         if msg.budget < 1:
             raise ProtocolError("bad_request", f"budget must be >= 1, not {msg.budget}")
+    elif isinstance(msg, Generate):
+        if (msg.prompt is None) == (msg.messages is None):
+            raise ProtocolError("bad_request", "a generate request carries a prompt or messages, not both")
+        chars = len(msg.prompt) if msg.prompt is not None else sum(len(m.content) for m in msg.messages)
+        if chars > MAX_PROMPT_CHARS:
+            raise ProtocolError("bad_request", f"the prompt has {chars} characters, more than {MAX_PROMPT_CHARS}")
+        if not 1 <= msg.max_tokens <= MAX_TOKENS_PER_REQUEST:
+            raise ProtocolError("bad_request", f"max_tokens must be in 1..{MAX_TOKENS_PER_REQUEST}, not {msg.max_tokens}")
+        if len(msg.stop) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in msg.stop):
+            raise ProtocolError("bad_request", f"at most {MAX_STOPS} stop strings of 1..{MAX_STOP_CHARS} characters")
     elif isinstance(msg, DraftReply):
         if len(tensors) not in (2, 3) or tensors[0].shape != tensors[1].shape or tensors[0].ndim != 1:
             raise ProtocolError("bad_reply", "a draft reply carries tokens [n] and parents [n] (and q [n, V])")

@@ -101,7 +101,7 @@ class DraftServer:
         """The counters as JSON, from a copy at most 0.2 s old: a flood of StatsRequests stays cheap."""
         now = time.monotonic()
         if now - self._stats_at > 0.2:
-            self._stats_cache = json.dumps(self.stats.snapshot(len(self.sessions)))
+            self._stats_cache = json.dumps(self.stats.snapshot(len(self.sessions), self.q_in.qsize()))
             self._stats_at = now
         return self._stats_cache
 

@@ -68,14 +68,14 @@ class ServerStats:
         with self.lock:
             self.errors[code] += 1
 
-    def snapshot(self, sessions_open: int) -> dict:
+    def snapshot(self, sessions_open: int, queue_depth: int = 0) -> dict:
         with self.lock:
             elapsed = time.monotonic() - self.started
             return {
                 "uptime_s": elapsed, "busy_s": self.busy_s, "utilization": self.busy_s / elapsed if elapsed else 0.0,
                 "requests": self.requests, "replies": self.replies, "errors": dict(self.errors),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
+                "queue_depth": queue_depth, "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
                 "sessions_freed": self.sessions_freed, "timeline": list(self.timeline),
                 "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0,
                 "predraft": {"sessions": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,

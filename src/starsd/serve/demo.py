@@ -1,0 +1,125 @@
+"""`starsd demo` (what `make demo` runs): a local star behind its OpenAI-compatible endpoint,
+queried with the official `openai` client.
+
+It starts `starsd serve` (a draft server, N target servers, the gateway), streams one chat answer
+to the screen as the target accepts it, then sends a few requests at once, one per target, and
+prints per request and for the system: tokens/s, the speculation (drafts, mean acceptance length)
+and the draft server's utilisation, from the gateway's /metrics. Writes JSON and a plot, and
+stops everything.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+from rich.console import Console
+from rich.table import Table
+
+from starsd.prompts import humaneval
+from starsd.results import bar_plot, write_json
+from starsd.star.launch import free_port, read_json_line, spawn
+
+CHAT = "Write a Python function that checks whether a string is a palindrome. Be brief."
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The gateway's /metrics as {series: value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {name: float(v) for name, v in re.findall(r"^([^#\s][^ ]*) (\S+)$", text, re.M)}
+
+
+def run(serve_args: list[str], targets: int, max_tokens: int, json_out: str) -> int:
+    console = Console()
+    port = free_port()
+    log_path = Path(json_out).with_suffix(".log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log, console.status(f"starting the star: a draft server, {targets} target servers "
+                                                    "and the gateway (loading the models takes a minute)"):
+        proc = spawn(["serve", "--targets", str(targets), "--port", str(port), *serve_args], stderr=log)
+        try:
+            ready = read_json_line(proc, "ready", 900)
+        except BaseException:
+            proc.kill()
+            console.print(f"the star did not start; its log: {log_path}\n{log_path.read_text()[-3000:]}")
+            raise
+    url = f"http://127.0.0.1:{port}"
+    console.print(f"[bold]serving[/bold] {url}/v1 (draft server {ready['draft_server']}, {targets} targets; "
+                  f"their log: {log_path})")
+    try:
+        return _queries(console, url, targets, max_tokens, json_out)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        console.print("star stopped" if code == 0 else f"the star exited with {code}; see {log_path}")
+
+
+def _queries(console: Console, url: str, targets: int, max_tokens: int, json_out: str) -> int:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    model = client.models.list().data[0].id
+    console.print(f"\n[bold]1. one streamed chat request[/bold] (model {model}, temperature 0.7, seed 1)")
+    console.print(f"> {CHAT}")
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT}],
+                                                max_tokens=max_tokens, temperature=0.7, seed=1, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter() - t0
+            console.print(chunk.choices[0].delta.content, end="", highlight=False, markup=False)
+        if chunk.usage:
+            usage = chunk
+    streamed = {"tokens": usage.usage.completion_tokens, "seconds": time.perf_counter() - t0, "ttft_s": first,
+                **usage.model_extra["spec_decode"]}
+    console.print(f"\n[dim]{streamed['tokens']} tokens in {streamed['seconds']:.1f} s, first text after "
+                  f"{first:.1f} s[/dim]")
+
+    prompts = humaneval()[:targets]
+    console.print(f"\n[bold]2. {len(prompts)} completions at once[/bold] (HumanEval prompts, greedy), one per target")
+    before = scrape(url)
+    t0 = time.perf_counter()
+
+    def complete(prompt):
+        start = time.perf_counter()
+        r = client.completions.create(model=model, prompt=prompt.text, max_tokens=max_tokens, temperature=0)
+        return prompt.id, r, time.perf_counter() - start
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(complete, prompts))
+    wall = time.perf_counter() - t0
+    after = scrape(url)
+    rows = [{"request": pid, "tokens": r.usage.completion_tokens, "seconds": s,
+             "tokens_per_s": r.usage.completion_tokens / s, "text": r.choices[0].text, **r.model_extra["spec_decode"]}
+            for pid, r, s in answers]
+    busy = after.get("starsd:draft_server_busy_seconds_total", 0) - before.get("starsd:draft_server_busy_seconds_total", 0)
+    system = {"tokens": sum(r["tokens"] for r in rows), "seconds": wall,
+              "tokens_per_s": sum(r["tokens"] for r in rows) / wall, "draft_server_utilization": busy / wall}
+    _print_summary(console, rows, system)
+    write_json(json_out, {"model": model, "streamed_chat": streamed, "requests": rows, "system": system})
+    bar_plot(Path(json_out).with_suffix(".png"), [*(r["request"] for r in rows), "system"],
+             [*(r["tokens_per_s"] for r in rows), system["tokens_per_s"]], ylabel="tokens / s",
+             title=f"StarSD served: {len(rows)} requests at once on {len(rows)} targets")
+    return 0
+
+
+def _print_summary(console: Console, rows: list[dict], system: dict) -> None:
+    table = Table(title="requests served at once")
+    for col in ("request", "tokens", "seconds", "tokens/s", "drafted steps", "mean acceptance length"):
+        table.add_column(col, justify="right" if col != "request" else "left")
+    for r in rows:
+        table.add_row(r["request"], str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
+                      f"{r['drafts']} of {r['target_steps']}", f"{r['mean_acceptance_length']:.2f}")
+    table.add_row("system", str(system["tokens"]), f"{system['seconds']:.1f}", f"{system['tokens_per_s']:.2f}", "", "",
+                  style="bold")
+    console.print(table)
+    console.print(f"draft server busy {system['draft_server_utilization']:.0%} of the time. A target drafts a step "
+                  "only when its own measurements say the draft pays (see README, How deep to draft).")
+    for r in rows:
+        console.print(f"\n[bold]{r['request']}[/bold]:")
+        console.print(r["text"], highlight=False, markup=False)

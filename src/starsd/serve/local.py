@@ -1,0 +1,55 @@
+"""`starsd serve`: the gateway in front of a star, local or already running.
+
+Local: a draft server and N target servers start as child processes on free loopback ports (they
+die with this process), then the gateway serves on HOST:PORT until SIGINT or SIGTERM, and stops
+them. Remote: the gateway alone, in front of target servers (and a draft server) started elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from starsd.config import DRAFT_SIDE, DraftConfig, PairConfig, ServerConfig, to_flags
+from starsd.serve import gateway
+from starsd.star.launch import Star, free_port, read_json_line, spawn, start_server
+
+
+def start_targets(star: Star, pair: PairConfig, draft: DraftConfig, n: int, spec: bool, model_name: str = "") -> list[str]:
+    """n target servers on free loopback ports, ready; returns their addresses (kept in star.targets)."""
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
+    for i, address in enumerate(addresses):
+        args = ["target-server", "--bind", address, "--name", f"target-{i}", *to_flags(pair, skip=DRAFT_SIDE),
+                *to_flags(draft, prefix="draft-"), "--served-model-name", model_name or pair.target]
+        if spec:
+            args += ["--connect", star.address]
+        star.targets.append(spawn(args))
+    for proc in star.targets:
+        read_json_line(proc, "ready", 600)
+    return addresses
+
+
+def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int, cfg: gateway.GatewayConfig,
+                host: str, port: int, spec: bool = True, model_name: str = "") -> int:
+    star = start_server(pair, server) if spec else Star(None, "")
+    try:
+        if spec:
+            print(f"draft server up at {star.address}", file=sys.stderr, flush=True)
+        print(f"loading {n} target servers", file=sys.stderr, flush=True)
+        targets = start_targets(star, pair, draft, n, spec, model_name)
+        cfg = gateway.GatewayConfig(**{**cfg.__dict__, "targets": tuple(targets),
+                                       "draft_server": star.address if spec else ""})
+        return serve_remote(cfg, host, port)
+    finally:
+        star.close()
+
+
+def serve_remote(cfg: gateway.GatewayConfig, host: str, port: int) -> int:
+    def ready():
+        print(json.dumps({"ready": f"http://{host}:{port}", "targets": list(cfg.targets),
+                          "draft_server": cfg.draft_server}), flush=True)
+        print(f"serving the star on http://{host}:{port}/v1 ({len(cfg.targets)} targets); Ctrl-C stops it",
+              file=sys.stderr, flush=True)
+
+    gateway.run(cfg, host, port, on_ready=ready)
+    return 0

@@ -1,0 +1,112 @@
+"""Prometheus metrics of the gateway and of the draft server, named in vLLM's style where vLLM has
+the figure (`vllm:` -> `starsd:`).
+
+Speculation, as vLLM counts it: a draft is one target step that verified a draft; its draft tokens
+are the draft's depth; its accepted tokens the drafted tokens the target kept. Per position,
+accepted_tokens_per_pos{position=i} counts drafts whose token i was accepted. The draft server's
+figures are read from its StatsRequest answer at scrape time (DraftServerCollector).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+OUTCOMES = ("stop", "length", "aborted", "rejected", "invalid", "error")
+disable_created_metrics()  # no *_created series beside each counter (as vLLM)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry, max_position: int):
+        self.registry = registry
+        self.max_position = max_position
+        self.requests = Counter("starsd:requests", "requests by outcome: stop, length (finished), aborted "
+                                "(client gone), rejected (queue full), invalid (bad request), error", ["outcome"],
+                                registry=registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.running = Gauge("starsd:num_requests_running", "requests on a target now", registry=registry)
+        self.waiting = Gauge("starsd:num_requests_waiting", "requests waiting for a free target", registry=registry)
+        self.prompt_tokens = Counter("starsd:prompt_tokens", "prompt tokens of served requests", registry=registry)
+        self.generation_tokens = Counter("starsd:generation_tokens", "tokens generated", registry=registry)
+        self.ttft = Histogram("starsd:time_to_first_token_seconds", "request arrival to its first text",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("starsd:inter_token_latency_seconds", "time between a stream's outputs, per token "
+                             "(a target step's wait shared by the tokens it emitted)", buckets=LATENCY_BUCKETS,
+                             registry=registry)
+        self.e2e = Histogram("starsd:e2e_request_latency_seconds", "request arrival to its last output",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue_time = Histogram("starsd:request_queue_time_seconds", "time a request waited for a free target",
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self.drafts = Counter("starsd:spec_decode_num_drafts", "target steps that verified a draft", registry=registry)
+        self.draft_tokens = Counter("starsd:spec_decode_num_draft_tokens", "drafted tokens verified",
+                                    registry=registry)
+        self.accepted_tokens = Counter("starsd:spec_decode_num_accepted_tokens", "drafted tokens accepted",
+                                       registry=registry)
+        self.accepted_per_pos = Counter("starsd:spec_decode_num_accepted_tokens_per_pos",
+                                        "drafts whose token at this position was accepted", ["position"],
+                                        registry=registry)
+        self._drafted_steps = 0
+        self._accepted = 0
+        mean = Gauge("starsd:spec_decode_mean_acceptance_length", "tokens per drafted target step "
+                     "(1 + accepted / drafts), since start", registry=registry)
+        mean.set_function(self._mean_acceptance_length)
+
+    def step(self, tokens: int, drafted: int, accepted: int, seconds: float) -> None:
+        """One target step of a stream: `seconds` since the stream's previous output."""
+        self.generation_tokens.inc(tokens)
+        for _ in range(tokens):
+            self.itl.observe(seconds / tokens)
+        if drafted:
+            self._drafted_steps += 1
+            self._accepted += accepted
+            self.drafts.inc()
+            self.draft_tokens.inc(drafted)
+            self.accepted_tokens.inc(accepted)
+            for i in range(min(accepted, self.max_position)):
+                self.accepted_per_pos.labels(str(i)).inc()
+
+    def _mean_acceptance_length(self) -> float:
+        return 1 + self._accepted / self._drafted_steps if self._drafted_steps else 0.0
+
+
+class DraftServerCollector:
+    """The draft server's counters as metrics, from `snapshot()` (a StatsRequest's JSON, or None
+    when the server does not answer: then only starsd:draft_server_up 0)."""
+
+    def __init__(self, snapshot: Callable[[], dict | None]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        stats = self.snapshot()
+        yield GaugeMetricFamily("starsd:draft_server_up", "1 if the draft server answered", value=float(bool(stats)))
+        if not stats:
+            return
+        yield CounterMetricFamily("starsd:draft_server_busy_seconds", "seconds spent drafting (rate() of it is "
+                                  "the busy fraction)", value=stats["busy_s"])
+        yield GaugeMetricFamily("starsd:draft_server_busy_fraction", "share of the uptime spent drafting",
+                                value=stats["utilization"])
+        yield GaugeMetricFamily("starsd:draft_server_queue_depth", "draft requests waiting in Q_in",
+                                value=stats.get("queue_depth", 0))
+        yield GaugeMetricFamily("starsd:draft_server_sessions_open", "target sessions held",
+                                value=stats["sessions_open"])
+        yield CounterMetricFamily("starsd:draft_server_requests", "draft requests taken", value=stats["requests"])
+        errors = CounterMetricFamily("starsd:draft_server_errors", "refusals and errors by code", labels=["code"])
+        for code, n in sorted(stats["errors"].items()):
+            errors.add_metric([code], n)
+        yield errors
+        yield CounterMetricFamily("starsd:draft_server_predraft_hits", "draft requests answered from a pre-draft",
+                                  value=stats["predraft"]["hits"])
+        yield batch_histogram({int(k): v for k, v in stats["batch_sizes"].items()})
+
+
+def batch_histogram(sizes: dict[int, int]) -> HistogramMetricFamily:
+    """Batch sizes (size -> batches) as a cumulative histogram."""
+    buckets = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in BATCH_BUCKETS]
+    buckets.append(("+Inf", sum(sizes.values())))
+    return HistogramMetricFamily("starsd:draft_server_batch_size", "sessions drafted together per batch",
+                                 buckets=buckets, sum_value=sum(s * n for s, n in sizes.items()))

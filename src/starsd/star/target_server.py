@@ -1,0 +1,168 @@
+"""A target server: a target worker that takes generation requests for as long as it runs.
+
+It loads the target once, opens one session with the draft server, binds a ROUTER socket and
+serves Generate requests one stream at a time (as in the paper): each stream is a reset of its
+draft session, and every target step goes back at once as an Output (text delta and the step's
+draft figures), so a gateway can stream tokens as they are accepted. Between steps it reads its
+socket: a Cancel ends the stream after the step in progress, a Describe is answered, and another
+Generate is refused as busy. One depth policy serves every stream, so what it learns carries over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from starsd.config import DraftConfig
+from starsd.models.pair import Pair
+from starsd.spec.decode import speculative_steps, target_only_steps
+from starsd.spec.depth import DepthPolicy
+from starsd.star import protocol as P
+from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.textstream import TextStream
+
+log = logging.getLogger("starsd.target")
+
+
+class TargetServer:
+    def __init__(self, pair: Pair, bind: str, client: DraftClient | None, draft: DraftConfig, name: str,
+                 model: str):
+        """client None: decode alone (target-only serving, the baseline)."""
+        self.pair = pair
+        self.bind = bind
+        self.client = client
+        self.draft = draft
+        self.drafter = RemoteDrafter(client) if client else None
+        self.policy = DepthPolicy(draft.depth)
+        self.name = name
+        self.model = model
+        self.max_context = int(getattr(pair.target.model.config, "max_position_embeddings", 32768))
+        self.stopping = threading.Event()
+        self.streams = 0
+        self.ctx = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+
+    def serve(self, on_ready=None) -> None:
+        """Run until stop(). Raises RuntimeError if the address cannot be bound."""
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        try:
+            self.sock.bind(self.bind)
+        except zmq.ZMQError as e:
+            raise RuntimeError(f"cannot bind {self.bind}: {e}") from None
+        if on_ready:
+            on_ready()
+        log.info("target server %s (%s) listening on %s", self.name, self.model, self.bind)
+        try:
+            while not self.stopping.is_set():
+                if self.sock.poll(100):
+                    self._handle(*self._receive(), busy=False)
+        finally:
+            self.sock.close(0)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def info(self, busy: bool) -> P.TargetInfo:
+        return P.TargetInfo(self.name, self.model, self.max_context, self.drafter is not None, busy)
+
+    def _receive(self):
+        """(peer, message or None): a malformed message is answered here and gives None."""
+        peer, *frames = self.sock.recv_multipart(copy=False)
+        try:
+            msg, _ = P.decode(frames)
+        except P.ProtocolError as e:
+            self._send(peer.bytes, P.Error(e.code, str(e)))
+            return peer.bytes, None
+        return peer.bytes, msg
+
+    def _handle(self, peer: bytes, msg, busy: bool) -> int | None:
+        """Answer one message; returns the id a Cancel names (the caller decides what it ends)."""
+        if msg is None:
+            return None
+        if isinstance(msg, P.Describe):
+            self._send(peer, self.info(busy))
+        elif isinstance(msg, P.Ping):
+            self._send(peer, P.Pong(msg.tag, msg.sent))
+        elif isinstance(msg, P.Cancel):
+            return msg.id
+        elif isinstance(msg, P.Generate):
+            if busy:
+                self._send(peer, P.Error("busy", f"{self.name} is serving another stream", msg.id))
+            else:
+                self._stream(peer, msg)
+        else:
+            self._send(peer, P.Error("unexpected", f"{type(msg).__name__} is not a request to a target", 0))
+        return None
+
+    def _cancelled(self, stream_id: int) -> bool:
+        """Read what arrived during a step; True if it cancels this stream."""
+        cancelled = False
+        while self.sock.poll(0):
+            cancelled |= self._handle(*self._receive(), busy=True) == stream_id
+        return cancelled or self.stopping.is_set()
+
+    def _stream(self, peer: bytes, req: P.Generate) -> None:
+        tokenizer = self.pair.tokenizer
+        try:
+            ids = self._encode(req)
+        except ValueError as e:
+            return self._send(peer, P.Error("bad_request", str(e), req.id))
+        if len(ids) + req.max_tokens > self.max_context:
+            return self._send(peer, P.Error("context_length", f"the prompt ({len(ids)} tokens) plus max_tokens "
+                                            f"({req.max_tokens}) exceed the context of {self.max_context}", req.id))
+        eos = frozenset() if req.ignore_eos else self.pair.eos_ids
+        if self.drafter:
+            steps = speculative_steps(self.pair.target, self.drafter, ids, req.max_tokens, self.draft, req.sampling,
+                                      eos, self.policy)
+        else:
+            steps = target_only_steps(self.pair.target, ids, req.max_tokens, req.sampling, eos)
+        self.streams += 1
+        text = TextStream(tokenizer, req.stop)
+        produced = 0
+        prompt_tokens = len(ids)
+        try:
+            for step in steps:
+                produced += len(step.tokens)
+                delta, stopped = text.add(step.tokens)
+                if stopped or (step.tokens and step.tokens[-1] in eos):
+                    finish = "stop"
+                elif produced >= req.max_tokens:
+                    finish = "length"
+                elif self._cancelled(req.id):
+                    finish = "cancelled"
+                else:
+                    finish = ""
+                if finish and not stopped:
+                    delta += text.flush()
+                self._send(peer, P.Output(req.id, delta, len(step.tokens), step.depth, step.accepted, finish,
+                                          prompt_tokens))
+                prompt_tokens = 0
+                if finish:
+                    return
+        except Exception as e:  # a failed stream is reported to its sender; the server goes on
+            log.exception("stream %d failed", req.id)
+            self._send(peer, P.Error("internal", f"generation failed: {e}"[:500], req.id))
+        finally:
+            steps.close()
+
+    def _encode(self, req: P.Generate) -> list[int]:
+        tokenizer = self.pair.tokenizer
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            try:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+            except Exception as e:  # the template's own checks (roles, order)
+                raise ValueError(f"the chat template refused the messages: {e}") from None
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=False)
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed to condition on")
+        return list(ids)
+
+    def _send(self, peer: bytes, msg) -> None:
+        self.sock.send_multipart([peer, *P.encode(msg)])

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible endpoint over real processes: `starsd serve` (gateway, draft server and two
+target servers on tiny models) queried with the official `openai` client and plain HTTP."""
+
+import concurrent.futures
+import re
+import signal
+import time
+
+import httpx2 as httpx
+import openai
+import psutil
+import pytest
+
+import tiny
+from starsd.config import ModelConfig, SamplingConfig
+from starsd.models.pair import Pair
+from starsd.spec.decode import target_only
+from starsd.star.launch import free_port, read_json_line, spawn
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+MODEL = "tiny-target"
+MAX_QUEUE = 2
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tok = tiny.char_tokenizer()
+    tok.chat_template = TEMPLATE
+    target = tiny.tiny_model(1)
+    return {"target": tiny.save(target, tok, root / "target"),
+            "draft": tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, root / "draft")}
+
+
+@pytest.fixture(scope="module")
+def gateway(dirs):
+    port = free_port()
+    proc = spawn(["serve", "--targets", "2", "--port", str(port), "--target", dirs["target"], "--draft", dirs["draft"],
+                  "--dtype", "float32", "--draft-quantize", "none", "--draft-depth", "4", "--no-draft-adaptive",
+                  "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL])
+    try:
+        read_json_line(proc, "ready", 300)
+    except BaseException:
+        proc.kill()
+        raise
+    yield {"url": f"http://127.0.0.1:{port}", "proc": proc}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=gateway["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(dirs):
+    pair = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+    pair.tokenizer.chat_template = TEMPLATE
+    return pair
+
+
+def reference(local, prompt_ids, max_tokens) -> str:
+    """Target-only greedy decoding in this process: what every greedy answer must equal."""
+    gen = target_only(local.target, prompt_ids, max_tokens, SamplingConfig(), local.eos_ids)
+    return local.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+
+
+def chat_ids(local, text):
+    return list(local.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False))
+
+
+def scrape(gateway) -> dict[str, float]:
+    """/metrics as {series: value}, a series named with its labels as Prometheus prints them."""
+    text = httpx.get(gateway["url"] + "/metrics").text
+    return {name: float(value) for name, value in re.findall(r"^([^#\s][^ ]*) (\S+)$", text, re.M)}
+
+
+def test_models_and_health(client, gateway):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(gateway["url"] + "/health").json()
+    assert health["status"] == "ok" and health["targets_up"] == 2
+
+
+def test_greedy_completion_equals_target_only_decoding(client, local):
+    prompt = "def add(a, b):"
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    ids = local.tokenizer.encode(prompt, add_special_tokens=False)
+    assert got.choices[0].text == reference(local, ids, 40)
+    assert got.usage.prompt_tokens == len(ids) and 0 < got.usage.completion_tokens <= 40
+    spec = got.model_extra["spec_decode"]
+    assert spec["drafts"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
+
+
+def test_chat_streamed_equals_chat_whole_and_target_only(client, local):
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed == reference(local, chat_ids(local, "hello there"), 30)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens == len(chat_ids(local, "hello there"))
+
+
+def test_seeded_sampling_is_reproducible_and_stream_agrees(client):
+    args = dict(model=MODEL, prompt="x = ", max_tokens=30, temperature=0.9, top_p=0.95, seed=1234)
+    a = client.completions.create(**args).choices[0].text
+    b = client.completions.create(**args).choices[0].text
+    c = "".join(ch.choices[0].text for ch in client.completions.create(**args, stream=True))
+    assert a == b == c
+
+
+def test_stop_string_ends_the_text_before_it(client, local):
+    prompt = "import os"
+    full = reference(local, local.tokenizer.encode(prompt, add_special_tokens=False), 40)
+    stop = full[10:13]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "never"])
+    assert got.choices[0].text == full[:full.index(stop)] and got.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True))
+    assert streamed == got.choices[0].text
+
+
+def test_concurrent_clients_each_get_their_own_answer(client, local):
+    prompts = [f"def f{i}(x):" for i in range(2 + MAX_QUEUE)]  # two on targets, the rest queued
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=24,
+                                                                    temperature=0), prompts))
+    for p, a in zip(prompts, answers):
+        assert a.choices[0].text == reference(local, local.tokenizer.encode(p, add_special_tokens=False), 24)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"best_of": 3}, "best_of"), ({"no_such_thing": 1}, "no_such_thing"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+])
+def test_unsupported_or_bad_parameters_get_a_400_naming_them(gateway, extra, param):
+    r = httpx.post(gateway["url"] + "/v1/completions", json={"model": MODEL, "prompt": "hi", **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_bad_requests_are_refused_clearly(client, gateway):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="exceed the context"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=5000)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=2)
+    r = httpx.post(gateway["url"] + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    # ... and the star still serves
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=3, temperature=0).choices[0].text is not None
+
+
+def test_metrics_count_what_the_requests_did(client, gateway):
+    before = scrape(gateway)
+    answers = [client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0,
+                                         extra_body={"ignore_eos": True}) for p in ("a = 1", "b = 2")]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+    after = scrape(gateway)
+
+    def grew(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    spec = [a.model_extra["spec_decode"] for a in answers]
+    assert grew("starsd:generation_tokens_total") == sum(a.usage.completion_tokens for a in answers) == 40
+    assert grew("starsd:prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert grew('starsd:requests_total{outcome="length"}') == 2
+    assert grew('starsd:requests_total{outcome="invalid"}') == 1
+    assert grew("starsd:spec_decode_num_drafts_total") == sum(s["drafts"] for s in spec)
+    assert grew("starsd:spec_decode_num_draft_tokens_total") == sum(s["draft_tokens"] for s in spec)
+    assert grew("starsd:spec_decode_num_accepted_tokens_total") == sum(s["accepted_tokens"] for s in spec)
+    assert grew('starsd:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') <= sum(s["drafts"] for s in spec)
+    assert grew("starsd:time_to_first_token_seconds_count") == 2 and grew("starsd:e2e_request_latency_seconds_count") == 2
+    assert grew("starsd:inter_token_latency_seconds_count") == 40
+    assert after["starsd:draft_server_up"] == 1 and after["starsd:draft_server_sessions_open"] == 2
+    assert after["starsd:draft_server_batch_size_count"] >= grew("starsd:spec_decode_num_drafts_total") > 0
+    assert 0 < after["starsd:draft_server_busy_fraction"] < 1
+
+
+def test_full_queue_gets_503_and_a_disconnect_frees_its_target(client, gateway, local):
+    """Two endless streams hold both targets, MAX_QUEUE requests wait, the next is refused; closing
+    the streams frees the targets for the waiting requests, long before the streams would have ended."""
+    long = dict(model=MODEL, prompt="while True:", max_tokens=900, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+    before = scrape(gateway)
+    streams = [client.completions.create(**long) for _ in range(2)]
+    for s in streams:
+        next(iter(s))  # its first step is out: the stream holds a target
+    with concurrent.futures.ThreadPoolExecutor(MAX_QUEUE) as pool:
+        waiting = [pool.submit(client.completions.create, model=MODEL, prompt="y = ", max_tokens=8, temperature=0)
+                   for _ in range(MAX_QUEUE)]
+        deadline = time.monotonic() + 30
+        while httpx.get(gateway["url"] + "/health").json()["waiting"] < MAX_QUEUE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=MODEL, prompt="z", max_tokens=2)
+        assert refused.value.status_code == 503 and "busy" in str(refused.value)
+        t0 = time.monotonic()
+        for s in streams:
+            s.close()  # the client goes away mid-stream
+        answers = [w.result(timeout=60) for w in waiting]
+        freed_in = time.monotonic() - t0
+    want = reference(local, local.tokenizer.encode("y = ", add_special_tokens=False), 8)
+    assert all(a.choices[0].text == want for a in answers)
+    after = scrape(gateway)
+    assert after['starsd:requests_total{outcome="aborted"}'] - before.get('starsd:requests_total{outcome="aborted"}', 0) == 2
+    assert after['starsd:requests_total{outcome="rejected"}'] - before.get('starsd:requests_total{outcome="rejected"}', 0) == 1
+    assert freed_in < 20, f"the waiting requests took {freed_in:.1f} s: the cancelled streams held their targets"
+    health = httpx.get(gateway["url"] + "/health").json()
+    assert health["running"] == 0 and health["waiting"] == 0
+
+
+def test_sigterm_stops_the_whole_star(gateway):
+    children = psutil.Process(gateway["proc"].pid).children(recursive=True)
+    assert len(children) == 3  # the draft server and two target servers
+    gateway["proc"].send_signal(signal.SIGTERM)
+    assert gateway["proc"].wait(timeout=30) == 0
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive
