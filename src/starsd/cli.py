@@ -214,6 +214,13 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds a target may take for one step "
                    "(its prefill included) before it is taken out of service")
     p.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on /v1 (empty: open)")
+    p.add_argument("--ray", default="", metavar="ADDRESS", help="place the draft server and the target servers on "
+                   "this Ray cluster (HOST:PORT or auto) as actors; needs `pip install 'starsd[ray]'`")
+    p.add_argument("--ray-draft-resources", type=json.loads, default={}, metavar="JSON",
+                   help='Ray resources the draft server needs, e.g. \'{"draft_host": 1}\' or \'{"GPU": 1}\' '
+                        "(default: none, anywhere)")
+    p.add_argument("--ray-target-resources", type=json.loads, default={}, metavar="JSON",
+                   help="Ray resources each target server needs (default: none, anywhere)")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.ServerConfig, skip=("bind",))
     C.add_flags(p, C.DraftConfig, prefix="draft-")
@@ -221,14 +228,19 @@ def args_serve(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    from starsd.serve import local
+    from starsd.serve import launch as serve_launch
     from starsd.serve.gateway import GatewayConfig
 
     cfg = GatewayConfig(tuple(args.target_server), args.draft_server, args.max_queue, args.max_tokens,
                         args.step_timeout, api_key=args.api_key)
     if args.target_server:
-        return local.serve_remote(cfg, args.host, args.port)
-    return local.serve_local(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
+        return serve_launch.serve_remote(cfg, args.host, args.port)
+    if args.ray:
+        return serve_launch.serve_ray(args.ray, C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
+                                      C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg,
+                                      args.host, args.port, args.ray_draft_resources, args.ray_target_resources,
+                                      args.served_model_name)
+    return serve_launch.serve_local(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
                              C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg, args.host,
                              args.port, spec=not args.no_spec, model_name=args.served_model_name)
 

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from starsd.config import DRAFT_SIDE, PairConfig, ServerConfig, to_flags
+from starsd.config import DRAFT_SIDE, DraftConfig, PairConfig, ServerConfig, to_flags
 from starsd.results import bar_plot, write_json
 from starsd.star.client import DraftClient
 from starsd.star.stats import busy_fraction
@@ -38,11 +38,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(args: list[str], prefix: list[str] = (), stderr=None) -> subprocess.Popen:
+def spawn(args: list[str], prefix: list[str] = (), stderr=None, env: dict | None = None) -> subprocess.Popen:
     """`starsd ARGS` as a child; `prefix` runs it through a wrapper (e.g. `ip netns exec NS`).
     Its stderr is the launcher's unless given (a file); loading progress bars of several children
-    would only garble it."""
-    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    would only garble it. `env`: its environment (default: this one's)."""
+    env = {**(os.environ if env is None else env), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     return subprocess.Popen([*prefix, sys.executable, "-m", "starsd.cli", *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=_die_with_parent, env=env)
 
@@ -88,6 +88,14 @@ class Star:
 def server_command(pair: PairConfig, server: ServerConfig) -> list[str]:
     """The `starsd draft-server` command line for these settings: the one place it is assembled."""
     return ["draft-server", *to_flags(pair, skip=("target",)), *to_flags(server)]
+
+
+def target_server_command(pair: PairConfig, draft: DraftConfig, name: str, bind: str, connect: str = "",
+                          model_name: str = "") -> list[str]:
+    """The `starsd target-server` command line (connect empty: it decodes alone)."""
+    args = ["target-server", "--bind", bind, "--name", name, *to_flags(pair, skip=DRAFT_SIDE),
+            *to_flags(draft, prefix="draft-"), "--served-model-name", model_name or pair.target]
+    return args + ["--connect", connect] if connect else args
 
 
 def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,

@@ -1,29 +1,28 @@
-"""`starsd serve`: the gateway in front of a star, local or already running.
+"""`starsd serve`: the gateway in front of a star, local, on a Ray cluster, or already running.
 
 Local: a draft server and N target servers start as child processes on free loopback ports (they
 die with this process), then the gateway serves on HOST:PORT until SIGINT or SIGTERM, and stops
-them. Remote: the gateway alone, in front of target servers (and a draft server) started elsewhere.
+them. Ray: the same processes, placed on the cluster's nodes as actors (star/ray_cluster.py).
+Remote: the gateway alone, in front of target servers (and a draft server) started elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
-from starsd.config import DRAFT_SIDE, DraftConfig, PairConfig, ServerConfig, to_flags
+from starsd.config import DraftConfig, PairConfig, ServerConfig
 from starsd.serve import gateway
-from starsd.star.launch import Star, free_port, read_json_line, spawn, start_server
+from starsd.star.launch import Star, free_port, read_json_line, spawn, start_server, target_server_command
 
 
 def start_targets(star: Star, pair: PairConfig, draft: DraftConfig, n: int, spec: bool, model_name: str = "") -> list[str]:
     """n target servers on free loopback ports, ready; returns their addresses (kept in star.targets)."""
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
     for i, address in enumerate(addresses):
-        args = ["target-server", "--bind", address, "--name", f"target-{i}", *to_flags(pair, skip=DRAFT_SIDE),
-                *to_flags(draft, prefix="draft-"), "--served-model-name", model_name or pair.target]
-        if spec:
-            args += ["--connect", star.address]
-        star.targets.append(spawn(args))
+        star.targets.append(spawn(target_server_command(pair, draft, f"target-{i}", address,
+                                                        star.address if spec else "", model_name)))
     for proc in star.targets:
         read_json_line(proc, "ready", 600)
     return addresses
@@ -37,8 +36,22 @@ def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: i
             print(f"draft server up at {star.address}", file=sys.stderr, flush=True)
         print(f"loading {n} target servers", file=sys.stderr, flush=True)
         targets = start_targets(star, pair, draft, n, spec, model_name)
-        cfg = gateway.GatewayConfig(**{**cfg.__dict__, "targets": tuple(targets),
-                                       "draft_server": star.address if spec else ""})
+        cfg = dataclasses.replace(cfg, targets=tuple(targets), draft_server=star.address if spec else "")
+        return serve_remote(cfg, host, port)
+    finally:
+        star.close()
+
+
+def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
+              cfg: gateway.GatewayConfig, host: str, port: int, draft_resources: dict, target_resources: dict,
+              model_name: str = "") -> int:
+    from starsd.star.ray_cluster import RayStar
+
+    print(f"placing a draft server and {n} target servers on the Ray cluster at {address}", file=sys.stderr,
+          flush=True)
+    star = RayStar.start(address, pair, server, draft, n, draft_resources, target_resources, model_name)
+    try:
+        cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address)
         return serve_remote(cfg, host, port)
     finally:
         star.close()

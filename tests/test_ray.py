@@ -1,0 +1,84 @@
+"""`starsd serve --ray`: a real two-node Ray cluster on this machine, the head in one network
+namespace and a worker node in another (joined by a veth cable), with token authentication on
+both. The draft server must land on the head (its resource) and the targets on the worker; the
+gateway then serves greedy answers equal to target-only decoding, with Ray off the data path."""
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import tiny
+from starsd.config import ModelConfig, SamplingConfig
+from starsd.emulate import netns
+from starsd.models.pair import Pair
+from starsd.spec.decode import target_only
+from starsd.star.launch import free_port, read_json_line, spawn
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'starsd[ray]')")
+RAY = shutil.which("ray", path=os.path.dirname(sys.executable))
+PROMPT = "def mul(a, b):"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if (why := netns.available()) is not None:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    root = tmp_path_factory.mktemp("ray")
+    token = root / "token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    link = netns.Link()
+    head = f"{link.draft_ip}:6379"
+    nodes = [(link.draft_ns, ["--head", "--port", "6379", "--resources", '{"draft_host": 1}',
+                              "--include-dashboard=false"], link.draft_ip),
+             (link.target_ns, ["--address", head, "--resources", '{"target_host": 2}'], link.target_ip)]
+    try:
+        for ns, args, ip in nodes:
+            run = subprocess.run([*link.exec_argv(ns), RAY, "start", *args, "--node-ip-address", ip, "--num-cpus", "1",
+                                  "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
+            assert run.returncode == 0, run.stderr[-2000:]
+        yield {"link": link, "env": env, "head": head, "root": root}
+    finally:
+        for ns, _, _ in reversed(nodes):
+            subprocess.run([*link.exec_argv(ns), RAY, "stop", "--force"], env=env, capture_output=True, timeout=180)
+        link.close()
+
+
+def test_serve_places_the_star_by_resources_and_answers(cluster):
+    link = cluster["link"]
+    tok = tiny.char_tokenizer()
+    target = tiny.tiny_model(1)
+    target_dir = tiny.save(target, tok, cluster["root"] / "target")
+    draft_dir = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, cluster["root"] / "draft")
+    port = free_port()
+    gateway = spawn(["serve", "--ray", cluster["head"], "--targets", "2", "--host", link.draft_ip, "--port", str(port),
+                     "--ray-draft-resources", '{"draft_host": 1}', "--ray-target-resources", '{"target_host": 1}',
+                     "--target", target_dir, "--draft", draft_dir, "--dtype", "float32", "--draft-quantize", "none",
+                     "--served-model-name", "tiny"], prefix=link.exec_argv(link.draft_ns), env=cluster["env"])
+    try:
+        ready = read_json_line(gateway, "ready", 300)
+        assert ready["draft_server"].startswith(f"tcp://{link.draft_ip}:")  # on the head: draft_host
+        assert all(t.startswith(f"tcp://{link.target_ip}:") for t in ready["targets"])  # on the worker
+        ask = ("import json, openai; c = openai.OpenAI(base_url=%r, api_key='x', max_retries=0); "
+               "r = c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0); "
+               "print(json.dumps({'text': r.choices[0].text, 'spec': r.model_extra['spec_decode']}))"
+               % (f"http://{link.draft_ip}:{port}/v1", PROMPT))
+        run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", ask], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        got = json.loads(run.stdout)
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        code = gateway.wait(timeout=90)
+    local = Pair.load(ModelConfig(target_dir, dtype="float32"), None)
+    ref = target_only(local.target, local.tokenizer.encode(PROMPT, add_special_tokens=False), 30, SamplingConfig(),
+                      local.eos_ids)
+    assert got["text"] == local.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+    assert got["spec"]["drafts"] > 0  # drafted on the head, verified on the worker
+    assert code == 0
