@@ -40,11 +40,11 @@ def gateway(dirs):
                   "--dtype", "float32", "--draft-quantize", "none", "--draft-depth", "4", "--no-draft-adaptive",
                   "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL])
     try:
-        read_json_line(proc, "ready", 300)
+        ready = read_json_line(proc, "ready", 300)
     except BaseException:
         proc.kill()
         raise
-    yield {"url": f"http://127.0.0.1:{port}", "proc": proc}
+    yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "metrics": ready["metrics"]}
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
@@ -73,9 +73,10 @@ def chat_ids(local, text):
                                                     tokenize=True, return_dict=False))
 
 
-def scrape(gateway) -> dict[str, float]:
-    """/metrics as {series: value}, a series named with its labels as Prometheus prints them."""
-    text = httpx.get(gateway["url"] + "/metrics").text
+def scrape(gateway, url: str = "") -> dict[str, float]:
+    """/metrics (the gateway's, or at url) as {series: value}, a series named with its labels as
+    Prometheus prints them."""
+    text = httpx.get(url or gateway["url"] + "/metrics").text
     return {name: float(value) for name, value in re.findall(r"^([^#\s][^ ]*) (\S+)$", text, re.M)}
 
 
@@ -161,8 +162,16 @@ def test_bad_requests_are_refused_clearly(client, gateway):
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=3, temperature=0).choices[0].text is not None
 
 
+def targets_total(gateway, key: str) -> float:
+    """A target counter summed over the target servers' own /metrics."""
+    return sum(value for url in gateway["metrics"]["targets"] for name, value in scrape(gateway, url).items()
+               if name.startswith(f"starsd:target_{key}_total{{"))
+
+
 def test_metrics_count_what_the_requests_did(client, gateway):
     before = scrape(gateway)
+    target_tokens = targets_total(gateway, "tokens")
+    target_accepted = targets_total(gateway, "accepted_tokens")
     answers = [client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0,
                                          extra_body={"ignore_eos": True}) for p in ("a = 1", "b = 2")]
     with pytest.raises(openai.BadRequestError):
@@ -186,6 +195,11 @@ def test_metrics_count_what_the_requests_did(client, gateway):
     assert after["starsd:draft_server_up"] == 1 and after["starsd:draft_server_sessions_open"] == 2
     assert after["starsd:draft_server_batch_size_count"] >= grew("starsd:spec_decode_num_drafts_total") > 0
     assert 0 < after["starsd:draft_server_busy_fraction"] < 1
+    # every target server and the draft server serve their own /metrics too
+    assert targets_total(gateway, "tokens") - target_tokens == 40
+    assert targets_total(gateway, "accepted_tokens") - target_accepted == sum(s["accepted_tokens"] for s in spec)
+    own = scrape(gateway, gateway["metrics"]["draft_server"])
+    assert own["starsd:draft_server_up"] == 1 and own["starsd:draft_server_requests_total"] > 0
 
 
 def test_full_queue_gets_503_and_a_disconnect_frees_its_target(client, gateway, local):

@@ -98,6 +98,11 @@ def cmd_draft_server(args) -> int:
     model = load_model(cfg, pair.cache)
     server = DraftServer(Drafter(model), vocab_fingerprint(tokenizer, logits_width(model)), logits_width(model),
                          C.from_args(C.ServerConfig, args), name=f"starsd-draft:{cfg.path}")
+    if server.cfg.metrics_port:
+        from starsd.serve.metrics import DraftServerCollector, serve_metrics
+
+        serve_metrics(server.cfg.metrics_port, DraftServerCollector(
+            lambda: server.stats.snapshot(len(server.sessions), server.q_in.qsize())))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve(on_ready=lambda: print(json.dumps({"ready": args.bind}), flush=True))
@@ -144,6 +149,7 @@ def args_target_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="target")
     p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0: off)")
     C.add_flags(p, C.PairConfig, skip=C.DRAFT_SIDE)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
 
@@ -167,6 +173,10 @@ def cmd_target_server(args) -> int:
         client.hello()
     server = TargetServer(pair, args.bind, client, C.from_args(C.DraftConfig, args, prefix="draft-"), args.name,
                           args.served_model_name or cfg.target)
+    if args.metrics_port:
+        from starsd.serve.metrics import TargetCollector, serve_metrics
+
+        serve_metrics(args.metrics_port, TargetCollector(server.counters))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:
@@ -363,8 +373,11 @@ BENCHES = {  # name: (help, module with add_args and main)
               "starsd.bench.scale"),
     "replay-check": ("replay targets vs real target processes at small N (emulation check)",
                      "starsd.bench.replay_check"),
+    "serve": ("M concurrent streaming clients against starsd serve: target-only vs speculative targets",
+              "starsd.bench.serve"),
     "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",
                   "starsd.bench.multihost"),
+    "memory": ("peak RSS of co-located vs remote-draft targets; instances that fit a budget", "starsd.bench.memory"),
 }
 
 

@@ -189,8 +189,11 @@ class ServerConfig:
     max_context: int = setting(32768, "tokens one session may hold (prompt + generated); beyond it drafts are refused")
     predraft: bool = setting(True, "while no request waits, draft each idle chain session's likeliest next request "
                              "(last draft accepted whole, the draft's own bonus guess) and answer it at once on a hit")
+    metrics_port: int = setting(0, "serve Prometheus metrics over HTTP on this port, all interfaces (0: off)")
 
     def __post_init__(self):
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port (0: off), not {self.metrics_port}")
         for name in ("max_sessions", "max_batch", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import warnings
@@ -51,6 +52,7 @@ def load_model(cfg: ModelConfig, cache: str | None = None) -> torch.nn.Module:
     model = model.to(cfg.device).eval()
     if cfg.quantize == "int8":
         model = quantize_int8(model)
+        gc.collect()  # the float32 layers replaced sit in reference cycles: ~1.8 GiB for the 0.5B draft
     return model
 
 
@@ -65,7 +67,8 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated")
         warnings.filterwarnings("ignore", message=r".*quantize_per_tensor.*")
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        # in place: each float32 layer is dropped as soon as its int8 twin exists (2 GiB less peak for the 0.5B draft)
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def _not_found(path: str, e: Exception) -> str:

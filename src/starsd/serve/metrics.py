@@ -104,6 +104,37 @@ class DraftServerCollector:
         yield batch_histogram({int(k): v for k, v in stats["batch_sizes"].items()})
 
 
+class TargetCollector:
+    """A target server's counters (star.target_server.TargetServer.counters) as metrics."""
+
+    def __init__(self, counters: Callable[[], dict]):
+        self.counters = counters
+
+    def collect(self):
+        c = self.counters()
+        labels = ["target"]
+        for key, help_ in (("streams", "generation streams served"), ("tokens", "tokens generated"),
+                           ("steps", "target forward passes after the prefill"),
+                           ("drafts", "steps that verified a draft"), ("draft_tokens", "drafted tokens verified"),
+                           ("accepted_tokens", "drafted tokens accepted"),
+                           ("busy_seconds", "seconds spent serving streams")):
+            family = CounterMetricFamily(f"starsd:target_{key}", help_, labels=labels)
+            family.add_metric([c["name"]], c[key])
+            yield family
+        running = GaugeMetricFamily("starsd:target_stream_running", "1 while a stream is served", labels=labels)
+        running.add_metric([c["name"]], float(c["running"]))
+        yield running
+
+
+def serve_metrics(port: int, collector) -> None:
+    """Serve one collector's metrics at http://0.0.0.0:PORT/metrics (a daemon thread)."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(collector)
+    start_http_server(port, registry=registry)
+
+
 def batch_histogram(sizes: dict[int, int]) -> HistogramMetricFamily:
     """Batch sizes (size -> batches) as a cumulative histogram."""
     buckets = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in BATCH_BUCKETS]

@@ -91,10 +91,11 @@ def server_command(pair: PairConfig, server: ServerConfig) -> list[str]:
 
 
 def target_server_command(pair: PairConfig, draft: DraftConfig, name: str, bind: str, connect: str = "",
-                          model_name: str = "") -> list[str]:
+                          model_name: str = "", metrics_port: int = 0) -> list[str]:
     """The `starsd target-server` command line (connect empty: it decodes alone)."""
     args = ["target-server", "--bind", bind, "--name", name, *to_flags(pair, skip=DRAFT_SIDE),
-            *to_flags(draft, prefix="draft-"), "--served-model-name", model_name or pair.target]
+            *to_flags(draft, prefix="draft-"), "--served-model-name", model_name or pair.target,
+            "--metrics-port", str(metrics_port)]
     return args + ["--connect", connect] if connect else args
 
 

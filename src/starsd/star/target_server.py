@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import zmq
 
@@ -40,7 +41,9 @@ class TargetServer:
         self.model = model
         self.max_context = int(getattr(pair.target.model.config, "max_position_embeddings", 32768))
         self.stopping = threading.Event()
-        self.streams = 0
+        self._counters = {"name": name, "streams": 0, "tokens": 0, "steps": 0, "drafts": 0, "draft_tokens": 0,
+                          "accepted_tokens": 0, "busy_seconds": 0.0, "running": False}
+        self._lock = threading.Lock()  # the counters are read by the metrics thread
         self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
 
@@ -65,6 +68,19 @@ class TargetServer:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def counters(self) -> dict:
+        with self._lock:
+            return dict(self._counters)
+
+    def _count(self, **add) -> None:
+        with self._lock:
+            for key, n in add.items():
+                self._counters[key] += n
+
+    def _set_running(self, running: bool) -> None:
+        with self._lock:
+            self._counters["running"] = running
 
     def info(self, busy: bool) -> P.TargetInfo:
         return P.TargetInfo(self.name, self.model, self.max_context, self.drafter is not None, busy)
@@ -120,13 +136,17 @@ class TargetServer:
                                       eos, self.policy)
         else:
             steps = target_only_steps(self.pair.target, ids, req.max_tokens, req.sampling, eos)
-        self.streams += 1
         text = TextStream(tokenizer, req.stop)
         produced = 0
         prompt_tokens = len(ids)
+        started = time.perf_counter()
+        self._count(streams=1)
+        self._set_running(True)
         try:
             for step in steps:
                 produced += len(step.tokens)
+                self._count(tokens=len(step.tokens), steps=1, drafts=int(step.depth > 0), draft_tokens=step.depth,
+                            accepted_tokens=step.accepted)
                 delta, stopped = text.add(step.tokens)
                 if stopped or (step.tokens and step.tokens[-1] in eos):
                     finish = "stop"
@@ -148,6 +168,8 @@ class TargetServer:
             self._send(peer, P.Error("internal", f"generation failed: {e}"[:500], req.id))
         finally:
             steps.close()
+            self._count(busy_seconds=time.perf_counter() - started)
+            self._set_running(False)
 
     def _encode(self, req: P.Generate) -> list[int]:
         tokenizer = self.pair.tokenizer
