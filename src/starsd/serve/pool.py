@@ -114,6 +114,8 @@ class Pool:
 
     async def acquire(self) -> tuple[TargetLink, float]:
         """An idle target and the seconds waited for it. Raises Overloaded."""
+        if len(self.failed) == len(self.links):
+            raise Overloaded(f"no target is in service (all {len(self.links)} stopped answering)")
         if self.idle.empty() and self.waiting >= self.max_queue:
             raise Overloaded(f"all {len(self.links) - len(self.failed)} targets are busy and {self.waiting} "
                              f"requests are waiting (--max-queue {self.max_queue}); retry later")

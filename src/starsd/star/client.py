@@ -33,27 +33,37 @@ class DraftClient:
     """One DEALER connection with one session. Not thread-safe: one request in flight at a time.
 
     `step` numbers the session's requests as the server counts them: it advances when a reply
-    comes and stays put on an Error, since a refused request is not taken (protocol.Error)."""
+    comes and stays put on an Error, since a refused request is not taken (protocol.Error).
+
+    After the handshake a Heartbeat pings the server every heartbeat_s on a socket of its own; the
+    server's IO thread answers at once, even while it drafts. A request whose server has not
+    answered a ping for dead_after_s fails as `unreachable` within about that long, instead of
+    waiting out timeout_s (which is for a server that is alive but slow)."""
 
     def __init__(self, address: str, fingerprint: str, name: str = "target", timeout_s: float = 60.0,
-                 heartbeat_s: float = 1.0):
+                 heartbeat_s: float = 0.25, dead_after_s: float = 1.0):
         self.address = address
         self.fingerprint = fingerprint
         self.name = name
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
         self._heartbeat: Heartbeat | None = None
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        self.sock.connect(address)
+        self.sock = self._socket()
         self.tag = 0
         self.step = 0
 
-    def hello(self) -> P.Welcome:
+    def _socket(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        sock.connect(self.address)
+        return sock
+
+    def hello(self, timeout_s: float | None = None) -> P.Welcome:
         self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
-        welcome, _ = self._receive(P.Welcome)
+        welcome, _ = self._receive(P.Welcome, timeout_s=timeout_s)
         self.tag = welcome.tag
         if self.heartbeat_s > 0:
             if self._heartbeat:
@@ -61,6 +71,18 @@ class DraftClient:
             self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s)
             self._heartbeat.start()
         return welcome
+
+    def reachable(self) -> bool:
+        """Whether the server answered a ping within dead_after_s (True without a heartbeat)."""
+        return self._heartbeat is None or self._heartbeat.silent_s() <= self.dead_after_s
+
+    def reconnect(self, timeout_s: float) -> P.Welcome:
+        """A fresh socket and a new session (the old socket's queued messages are dropped, so no
+        stale request reaches a restarted server). Raises DraftServerError if no Welcome comes."""
+        self.sock.close(0)
+        self.sock = self._socket()
+        self.tag = 0
+        return self.hello(timeout_s)
 
     def draft(self, tokens: list[int], budget: int, draft: DraftConfig | None = None,
               sampling: SamplingConfig | None = None) -> tuple[P.DraftReply, tuple]:
@@ -103,12 +125,19 @@ class DraftClient:
     def _send(self, msg, tensors=()) -> None:
         self.sock.send_multipart(P.encode(msg, tensors), copy=False)
 
-    def _receive(self, want: type, step: int = -1):
+    def _receive(self, want: type, step: int = -1, timeout_s: float | None = None):
         """The next message, which must be a `want`. An Error is raised as DraftServerError unless
         it answers another step than `step` (a late answer to an earlier request: skipped)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
-            if not self.sock.poll(int(self.timeout_s * 1000)):
-                raise DraftServerError("timeout", f"no answer from {self.address} within {self.timeout_s:.0f} s")
+            if not self.sock.poll(100):
+                if time.monotonic() > deadline:
+                    raise DraftServerError("timeout", f"no answer from {self.address} within {timeout_s:.0f} s")
+                if not self.reachable():
+                    raise DraftServerError("unreachable", f"{self.address} answered no heartbeat for "
+                                                          f"{self._heartbeat.silent_s():.1f} s")
+                continue
             msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
             if isinstance(msg, P.Error):
                 if step >= 0 and msg.step not in (-1, step):
@@ -121,7 +150,8 @@ class DraftClient:
 
 class Heartbeat(threading.Thread):
     """Pings the draft server on a socket of its own while the target computes, so the server can
-    tell a busy target from a dead one (ZeroMQ sockets are not shared between threads)."""
+    tell a busy target from a dead one, and the target a dead server from a busy one (ZeroMQ
+    sockets are not shared between threads)."""
 
     def __init__(self, address: str, tag: int, interval_s: float):
         super().__init__(name="starsd-heartbeat", daemon=True)
@@ -129,16 +159,26 @@ class Heartbeat(threading.Thread):
         self.tag = tag
         self.interval_s = interval_s
         self._stop_event = threading.Event()
+        self._last_pong = time.monotonic()
+
+    def silent_s(self) -> float:
+        """Seconds since the server last answered a ping (or since the heartbeat started)."""
+        return time.monotonic() - self._last_pong
 
     def run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # pings to a dead server are dropped, not queued up for its successor
         sock.connect(self.address)
         try:
             while not self._stop_event.wait(self.interval_s):
-                sock.send_multipart(P.encode(P.Ping(self.tag, time.time())))
+                try:
+                    sock.send_multipart(P.encode(P.Ping(self.tag, time.time())), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 while sock.poll(0):
-                    sock.recv_multipart()  # Pongs: only their arrival matters
+                    sock.recv_multipart()  # Pongs: their arrival is what counts
+                    self._last_pong = time.monotonic()
         finally:
             sock.close(0)
 
@@ -192,13 +232,24 @@ class Timing:
 
 class RemoteDrafter:
     """The Drafter interface, served by a draft server. A request refused as busy gives an empty
-    draft (the target decodes that step alone) and its tokens go with the next request."""
+    draft (the target decodes that step alone) and its tokens go with the next request.
+
+    A server that stops answering (`unreachable`, or no reply within the client's timeout) also
+    gives empty drafts: the target decodes alone, losing nothing, since every committed token stays
+    in the sequence. Once the heartbeat hears the server again (a restart at the same address), the
+    drafter opens a new session, at most once per backoff (0.5 s, doubling to 30 s while hellos
+    fail), and its next request is a reset carrying the whole accepted prefix."""
 
     device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
+    BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
 
     def __init__(self, client: DraftClient):
         self.client = client
         self.timing = Timing()
+        self.down = False  # the server stopped answering; drafts are empty until a new session opens
+        self.outages = 0
+        self._backoff_s = self.BACKOFF_S[0]
+        self._retry_at = 0.0
 
     def start(self, prompt_ids: list[int]) -> RemoteSequence:
         return RemoteSequence(list(prompt_ids))
@@ -210,12 +261,17 @@ class RemoteDrafter:
         seq.tokens.extend(new_tokens)
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
+        if self.down and not self._back(seq):
+            self.timing.add((time.perf_counter() - t0) * 1e3)
+            return DraftTree.empty()
         for attempt in range(2):
             try:
                 reply, tensors = self._request(seq, cfg, sampling, budget)
                 break
             except DraftServerError as e:
-                if e.code == "busy":
+                if e.code in ("unreachable", "timeout"):
+                    self._lost(seq)
+                if e.code in ("busy", "unreachable", "timeout"):
                     self.timing.add((time.perf_counter() - t0) * 1e3)
                     return DraftTree.empty()
                 if attempt or e.code not in ("reset_required", "unknown_session"):
@@ -226,6 +282,28 @@ class RemoteDrafter:
         self.timing.add((time.perf_counter() - t0) * 1e3, reply.queue_ms, reply.service_ms, reply.batch_size)
         q = tensors[2].clone() if len(tensors) == 3 else None
         return DraftTree(tensors[0].long(), tensors[1].long(), q)
+
+    def _lost(self, seq: RemoteSequence) -> None:
+        self.down = True
+        self.outages += 1
+        seq.sent = 0  # whatever session comes next starts from the whole accepted prefix
+        self._backoff_s = self.BACKOFF_S[0]
+        self._retry_at = time.monotonic() + self._backoff_s
+
+    def _back(self, seq: RemoteSequence) -> bool:
+        """While down: try a new session if the server answers pings again and the backoff has
+        passed; True once one is open."""
+        if time.monotonic() < self._retry_at or not self.client.reachable():
+            return False
+        try:
+            self.client.reconnect(timeout_s=self.client.dead_after_s)
+        except DraftServerError:
+            self._backoff_s = min(2 * self._backoff_s, self.BACKOFF_S[1])
+            self._retry_at = time.monotonic() + self._backoff_s
+            return False
+        self.down = False
+        seq.sent = 0
+        return True
 
     def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int):
         if seq.sent == 0:

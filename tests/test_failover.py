@@ -1,0 +1,87 @@
+"""A draft server that dies: its targets notice within about a second, decode alone without losing
+or repeating a token, and open a new session when a server is back at the address (real processes)."""
+
+import time
+
+import pytest
+
+import tiny
+from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
+from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.pair import Pair
+from starsd.spec.decode import speculative, target_only
+from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.launch import free_port, start_server
+
+DRAFT = DraftConfig(depth=4, adaptive=False)
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    target, draft = tiny.save_pair(tmp_path_factory.mktemp("failover"))
+    return {"target": target, "draft": draft}
+
+
+class KillAt:
+    """A drafter that kills the draft server just before its k-th draft request, and times it."""
+
+    def __init__(self, drafter: RemoteDrafter, k: int, kill):
+        self.drafter = drafter
+        self.device = drafter.device
+        self.k = k
+        self.kill = kill
+        self.calls = 0
+        self.first_after_kill_s = None
+
+    def start(self, prompt_ids):
+        return self.drafter.start(prompt_ids)
+
+    def propose(self, *args, **kw):
+        self.calls += 1
+        if self.calls == self.k:
+            self.kill()
+        t0 = time.perf_counter()
+        tree = self.drafter.propose(*args, **kw)
+        if self.calls == self.k:
+            self.first_after_kill_s = time.perf_counter() - t0
+        return tree
+
+
+def test_killed_draft_server_targets_go_on_alone_then_reconnect(dirs):
+    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
+    port = free_port()
+    star = start_server(pair_cfg, ServerConfig(), port=port)
+    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+    client = DraftClient(star.address, vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "t")
+    restarted = None
+    try:
+        client.hello()
+        drafter = RemoteDrafter(client)
+
+        def kill():
+            star.server.kill()
+            star.server.wait()
+
+        killer = KillAt(drafter, 6, kill)
+        prompt = [5, 17, 33, 2]
+        gen = speculative(local.target, killer, prompt, 120, DRAFT, GREEDY)
+        assert gen.token_ids == target_only(local.target, prompt, 120, GREEDY).token_ids  # nothing lost or repeated
+        assert all(d > 0 for d in gen.depths[:5]) and not any(gen.depths[5:])  # drafted, then alone
+        assert killer.first_after_kill_s < 2.5, "the dead server was noticed late"
+        assert drafter.down and drafter.outages == 1
+
+        restarted = start_server(pair_cfg, ServerConfig(), port=port)  # back at the same address
+        deadline = time.monotonic() + 10
+        while not client.reachable() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(drafter.BACKOFF_S[0])
+        prompt2 = [9, 8, 7]
+        gen2 = speculative(local.target, drafter, prompt2, 60, DRAFT, GREEDY)
+        assert gen2.token_ids == target_only(local.target, prompt2, 60, GREEDY).token_ids
+        assert not drafter.down and gen2.depths[0] > 0 and all(d > 0 for d in gen2.depths[:-1])
+    finally:
+        client.close()
+        star.close()
+        if restarted:
+            restarted.close()
