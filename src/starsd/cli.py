@@ -16,6 +16,20 @@ from starsd import config as C
 from starsd.errors import StarsdError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every flag's default, unless its help already says it (flags made from typed
+    settings do: config.add_flags) or there is none worth showing (a switch, an empty value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        default = action.default
+        if "default:" in help_ or default is None or default is False or default is argparse.SUPPRESS:
+            return help_
+        if isinstance(default, (str, list, dict)) and not default:
+            return help_
+        return super()._get_help_string(action)
+
+
 # ------------------------------------------------------------------------------------- commands
 def args_models(p: argparse.ArgumentParser) -> None:
     from starsd.models import pinned
@@ -42,7 +56,7 @@ def cmd_models(args) -> int:
 def args_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft model)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     C.add_flags(p, C.PairConfig)
@@ -115,11 +129,11 @@ def args_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=0, help="use the first LIMIT prompts of the set (0: all)")
-    p.add_argument("--offset", type=int, default=0, help="first prompt of the set to take")
+    p.add_argument("--offset", type=int, default=0, help="first prompt of the set to take (an index)")
     p.add_argument("--stride", type=int, default=1, help="take every stride-th prompt (shares a set among targets)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
     p.add_argument("--ignore-eos", action="store_true", help="always decode --max-new-tokens (load tests)")
-    p.add_argument("--name", default="target")
+    p.add_argument("--name", default="target", help="this target's name in the draft server's sessions and logs")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
     p.add_argument("--wait-go", action="store_true", help="after the handshake, wait for a line on stdin")
@@ -146,7 +160,7 @@ def cmd_target(args) -> int:
 def args_target_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", required=True, help="ZeroMQ address for generation requests, e.g. tcp://127.0.0.1:6000")
     p.add_argument("--connect", default="", help="the draft server's address (empty: decode alone, no speculation)")
-    p.add_argument("--name", default="target")
+    p.add_argument("--name", default="target", help="this target's name in the draft server's sessions and logs")
     p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0: off)")
@@ -189,9 +203,9 @@ def cmd_target_server(args) -> int:
 
 def args_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", type=int, default=2, help="number of target processes N")
-    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=4, help="prompts in all, shared round-robin among the targets")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
     p.add_argument("--port", type=int, default=0, help="draft server port (0: a free one)")
     p.add_argument("--json-out", default=None, help="write the results as JSON here (and a PNG beside it)")
     p.add_argument("target_extra", nargs=argparse.REMAINDER, help="after --: more flags for every target")
@@ -273,9 +287,9 @@ def args_replay_targets(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recording", required=True, help="the real target's recorded continuations (JSON)")
     p.add_argument("--latency", required=True, help="latency profile (JSON: verify_ms by tokens scored, prefill_ms by prompt length)")
     p.add_argument("--targets", type=int, default=1, help="replay targets N, one thread and session each")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--duration-s", type=float, default=0.0,
-                   help="decode in a loop over the prompts for this long (0: each target decodes its share once)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
+    p.add_argument("--duration-s", type=float, default=0.0, help="decode in a loop over the prompts for this many "
+                   "seconds (0: each target decodes its share once)")
     p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
     p.add_argument("--wait-go", action="store_true", help="after the handshakes, wait for a line on stdin")
     p.add_argument("--seed", type=int, default=0, help="seeds the latency draws")
@@ -298,8 +312,8 @@ def cmd_replay_targets(args) -> int:
 
 def args_stats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", required=True, help="the draft server's address")
-    p.add_argument("--ping", type=int, default=0, help="also time this many Ping round trips")
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--ping", type=int, default=0, help="also time this many Ping round trips (reported in ms)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the draft server's reply")
 
 
 def cmd_stats(args) -> int:
@@ -385,17 +399,18 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Every command is listed; only the one named in argv gets its flags (and imports its module)."""
     words = [a for a in argv if not a.startswith("-")][:2]
     parser = argparse.ArgumentParser(prog="starsd", description="One-for-many speculative decoding: one draft "
-                                     "server, many target models.")
+                                     "server, many target models.", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_, add_args, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         if words[:1] == [name]:
             add_args(p)
             p.set_defaults(func=run)
-    p = sub.add_parser("bench", help="benchmarks (each writes JSON and a PNG plot)")
+    p = sub.add_parser("bench", help="benchmarks (each writes JSON and a PNG plot)",
+                       description="benchmarks (each writes JSON and a PNG plot)", formatter_class=HelpFormatter)
     bench = p.add_subparsers(dest="bench", required=True)
     for name, (help_, module) in BENCHES.items():
-        q = bench.add_parser(name, help=help_, description=help_)
+        q = bench.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         if words == ["bench", name]:
             chosen = importlib.import_module(module)
             chosen.add_args(q)

@@ -182,7 +182,7 @@ class ServerConfig:
 
     bind: str = setting("tcp://127.0.0.1:5555", "ZeroMQ address to bind the ROUTER socket to")
     max_sessions: int = setting(64, "sessions held at once; a hello beyond it is refused")
-    session_timeout_s: float = setting(120.0, "free a session whose target has been silent this long")
+    session_timeout_s: float = setting(120.0, "free a session whose target has been silent this many seconds")
     serial: bool = setting(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
     max_batch: int = setting(32, "sessions drafted together in one batch at most")
     queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")

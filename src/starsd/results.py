@@ -1,11 +1,24 @@
-"""Writing benchmark results: JSON for machines, PNG plots for people."""
+"""Writing benchmark results: JSON for machines, PNG plots for people; and what a person sees of a
+long run on the terminal: its progress (`Steps`, on stderr) and a summary at its end (`summary`,
+on stdout)."""
 
 from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from pathlib import Path
+
+from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn,
+                           TimeElapsedColumn)
+from rich.table import Table
+from rich.text import Text
+
+ERR = Console(stderr=True)  # progress; one console, so that a bar started inside another nests in it
+OUT = Console()  # results
 
 
 def write_json(path: str | Path, result: dict) -> None:
@@ -67,3 +80,113 @@ def bar_plot(path: str | Path, labels: list[str], values: list[float], ylabel: s
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     _save(fig, path)
+
+
+# ------------------------------------------------------------------------------------- terminal
+class TimeLeft(ProgressColumn):
+    """The steps left times one step's seconds (`step_s`: as given until a step is done, then the mean
+    of those done), less what the running step has taken; blank while no step time is known."""
+
+    def render(self, task: Task) -> Text:
+        step_s = task.fields.get("step_s")
+        if step_s is None or task.total is None or task.finished:
+            return Text("")
+        began = task.fields.get("began")
+        left = step_s * (task.total - task.completed) - (time.monotonic() - began if began else 0.0)
+        return Text(f"~{_clock(max(0.0, left))} left", style="progress.remaining")
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+class Steps:
+    """A progress bar on stderr over the `total` steps of a long run (a benchmark's measured points, a
+    download's parts): what runs now, step k of K, the time spent and, once a step's length is known
+    (`step_s`, or the mean of the steps done), the time left. `line` prints above the bar. Where
+    stderr is not a terminal (a CI log) rich draws no bar: the lines appear, and the bar's last state
+    when the run ends.
+
+        with Steps("scale", total=len(points), step_s=warmup_s + measure_s) as steps:
+            for p in points:
+                steps.begin(f"batched N={p.n}")
+                ...
+                steps.end(f"batched N={p.n}: 12.3 tok/s")
+    """
+
+    def __init__(self, title: str, total: int, step_s: float | None = None):
+        self.title = title
+        self.given_s = step_s
+        self.first: float | None = None  # when the first step began
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeLeft(), console=ERR,
+            redirect_stdout=sys.stdout.isatty())  # prints go above the bar, unless stdout is piped: then it stays whole
+        self.task = self.progress.add_task(title, total=total, step_s=step_s, began=None)
+
+    @property
+    def live(self) -> bool:
+        """Whether a bar is drawn (stderr is a terminal)."""
+        return ERR.is_terminal
+
+    def __enter__(self) -> Steps:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def begin(self, what: str) -> None:
+        """Step k + 1 starts: `what` it is."""
+        now = time.monotonic()
+        self.first = self.first or now
+        self.progress.update(self.task, began=now)
+        self.say(what)
+
+    def say(self, what: str) -> None:
+        """What the bar shows beside the title: the running step, or the whole once it is done."""
+        self.progress.update(self.task, description=f"{self.title}: {what}")
+
+    def end(self, line: str | None = None) -> None:
+        """The running step is done; `line` (its result) is printed above the bar."""
+        done = self.progress.tasks[0].completed + 1
+        mean_s = (time.monotonic() - self.first) / done if self.first else self.given_s
+        self.progress.update(self.task, advance=1, began=None, step_s=mean_s)
+        if line:
+            self.line(line)
+
+    def line(self, text: str) -> None:
+        ERR.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def status(text: str):
+    """A spinner on stderr with `text`, for a long step of unknown length: `with status("converting"):`."""
+    return ERR.status(Text(text))
+
+
+def size(nbytes: int) -> str:
+    """1234567 -> '1.2 MB'."""
+    return decimal(nbytes)
+
+
+def summary(title: str, columns: list[str], rows: list[list | None], facts: dict[str, str] | None = None,
+            files: dict[str, str | Path | None] | None = None) -> None:
+    """The end of a run, on one screen of stdout: a table of its main figures (a row per mode, point or
+    target; None between rows starts a new section, e.g. before a total), then a line `key: value` per
+    fact, then the files it wrote (`label: path`; None: not written)."""
+    table = Table()
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        if row is None:
+            table.add_section()
+        else:
+            table.add_row(*(Text("-" if x is None else str(x)) for x in row))
+    OUT.print(Text(title, style="bold"), soft_wrap=True)  # above, not as the table's title: that wraps to its width
+    OUT.print(table)
+    for key, value in (facts or {}).items():
+        OUT.print(Text.assemble((f"{key}:", "bold"), " ", value), soft_wrap=True)
+    for label, path in (files or {}).items():
+        if path is not None:
+            OUT.print(Text.assemble((f"{label}:", "bold"), " ", (str(path), "cyan")), soft_wrap=True)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from starsd import config as C
-from starsd.results import bar_plot, write_json
+from starsd.results import Steps, bar_plot, summary, write_json
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 
@@ -22,8 +22,8 @@ MODES = ("target_only", "speculative", "hf_assisted")
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=16, help="number of prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--json-out", default="results/colocated.json")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    p.add_argument("--json-out", default="results/colocated.json", help="results as JSON here")
     p.add_argument("--plot-out", default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
     C.add_flags(p, C.PairConfig)
@@ -49,26 +49,30 @@ def run(pair: Pair, prompts, max_new_tokens: int, draft: C.DraftConfig, with_hf:
     greedy = C.SamplingConfig()
     modes = [m for m in MODES if with_hf or m != "hf_assisted"]
     warm = prompts[0].encode(pair.tokenizer)  # first passes allocate and pick kernels: not measured
-    pair.generate(prompts[0], 16, greedy, None)
-    pair.generate(prompts[0], 16, greedy, draft)
-    if with_hf:
-        hf_assisted(pair, warm, 16, draft.depth)
     rows = []
-    for i, prompt in enumerate(prompts):
-        ids = prompt.encode(pair.tokenizer)
-        order = modes[i % len(modes):] + modes[: i % len(modes)]
-        row = {"id": prompt.id, "prompt_tokens": len(ids), "order": order}
-        for mode in order:
-            if mode == "hf_assisted":
-                tokens, seconds = hf_assisted(pair, ids, max_new_tokens, draft.depth)
-                row[mode] = {"tokens": len(tokens), "seconds": seconds, "token_ids": tokens}
-                continue
-            gen = pair.generate(prompt, max_new_tokens, greedy, draft if mode == "speculative" else None)
-            row[mode] = {"tokens": len(gen.token_ids), "seconds": gen.seconds, "token_ids": gen.token_ids,
-                         "steps": gen.num_steps, "mean_accepted": gen.mean_accepted}
-        rows.append(row)
-        summary = "  ".join(f"{m} {row[m]['tokens'] / row[m]['seconds']:.2f} tok/s" for m in modes)
-        print(f"[{i + 1}/{len(prompts)}] {prompt.id}: {summary}", flush=True)
+    with Steps("bench colocated", len(prompts) * len(modes)) as steps:
+        steps.say("warm-up")
+        pair.generate(prompts[0], 16, greedy, None)
+        pair.generate(prompts[0], 16, greedy, draft)
+        if with_hf:
+            hf_assisted(pair, warm, 16, draft.depth)
+        for i, prompt in enumerate(prompts):
+            ids = prompt.encode(pair.tokenizer)
+            order = modes[i % len(modes):] + modes[: i % len(modes)]
+            row = {"id": prompt.id, "prompt_tokens": len(ids), "order": order}
+            for mode in order:
+                steps.begin(f"{mode}, prompt {i + 1}/{len(prompts)} ({prompt.id})")
+                if mode == "hf_assisted":
+                    tokens, seconds = hf_assisted(pair, ids, max_new_tokens, draft.depth)
+                    row[mode] = {"tokens": len(tokens), "seconds": seconds, "token_ids": tokens}
+                else:
+                    gen = pair.generate(prompt, max_new_tokens, greedy, draft if mode == "speculative" else None)
+                    row[mode] = {"tokens": len(gen.token_ids), "seconds": gen.seconds, "token_ids": gen.token_ids,
+                                 "steps": gen.num_steps, "mean_accepted": gen.mean_accepted}
+                steps.end()
+            rows.append(row)
+            rates = "  ".join(f"{m} {row[m]['tokens'] / row[m]['seconds']:.2f} tok/s" for m in modes)
+            steps.line(f"[{i + 1}/{len(prompts)}] {prompt.id}: {rates}")
     return summarize(rows, modes)
 
 
@@ -110,9 +114,14 @@ def main(args) -> int:
     if "hf_assisted_tokens_per_s" in result:
         labels.append(f"HF assisted ({draft.depth} tokens)")
         values.append(result["hf_assisted_tokens_per_s"])
-    bar_plot(args.plot_out or str(args.json_out).rsplit(".", 1)[0] + ".png", labels, values,
-             ylabel="tokens / s", title=f"Co-located decoding, {len(prompts)} {args.prompts} prompts, {cfg.target_model().dtype}")
-    keys = ("target_only_tokens_per_s", "spec_tokens_per_s", "hf_assisted_tokens_per_s", "speedup",
-            "hf_assisted_speedup", "mean_accepted", "greedy_identical_prompts")
-    print({k: round(result[k], 3) for k in keys if k in result})
+    png = args.plot_out or str(args.json_out).rsplit(".", 1)[0] + ".png"
+    bar_plot(png, labels, values, ylabel="tokens / s",
+             title=f"Co-located decoding, {len(prompts)} {args.prompts} prompts, {cfg.target_model().dtype}")
+    speedups = [1.0, result["speedup"], result.get("hf_assisted_speedup")]
+    summary(f"bench colocated: {len(prompts)} {args.prompts} prompts, {cfg.target_model().dtype}, "
+            f"threads={result['threads']}", ["mode", "tokens/s", "speedup"],
+            [[label, f"{v:.2f}", f"{x:.2f}x"] for label, v, x in zip(labels, values, speedups)],
+            {"accepted per step": f"{result['mean_accepted']:.2f} (speculative)",
+             "greedy outputs equal to target-only": f"{result['greedy_identical_prompts']} of {len(prompts)} prompts"},
+            {"JSON": args.json_out, "plot": png})
     return 0

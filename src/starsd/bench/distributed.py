@@ -22,18 +22,18 @@ from starsd.bench.harness import serialisation_ms
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
-from starsd.results import bar_plot, write_json
+from starsd.results import Steps, bar_plot, summary, write_json
 from starsd.spec.decode import speculative
 from starsd.star.client import DraftClient, RemoteDrafter, Timing
 from starsd.star.launch import start_server
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", default="humaneval")
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--json-out", default="results/distributed.json")
-    p.add_argument("--plot-out", default=None)
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
+    p.add_argument("--limit", type=int, default=8, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    p.add_argument("--json-out", default="results/distributed.json", help="results as JSON here")
+    p.add_argument("--plot-out", default=None, help="PNG path (default: the JSON path with .png)")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(threads=2)
@@ -78,21 +78,25 @@ def main(args) -> int:
         remote = RemoteDrafter(client)
         rows = []
         prompts = load_prompts(args.prompts, args.limit)
-        warm = prompts[0].encode(pair.tokenizer)  # first passes allocate and pick kernels: not measured
-        for drafter in (pair.drafter, remote):
-            speculative(pair.target, drafter, warm, 16, draft, greedy, pair.eos_ids)
-        remote.timing = Timing()
-        for i, prompt in enumerate(prompts):
-            ids = prompt.encode(pair.tokenizer)
-            row = {"id": prompt.id}
-            for mode in (["colocated", "distributed"] if i % 2 == 0 else ["distributed", "colocated"]):
-                drafter = remote if mode == "distributed" else pair.drafter
-                gen = speculative(pair.target, drafter, ids, args.max_new_tokens, draft, greedy, pair.eos_ids)
-                row[mode] = {"tokens": len(gen.token_ids), "seconds": gen.seconds, "steps": gen.num_steps,
-                             "token_ids": gen.token_ids}
-            rows.append(row)
-            print(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(
-                f"{m} {row[m]['tokens'] / row[m]['seconds']:.2f} tok/s" for m in ("colocated", "distributed")), flush=True)
+        with Steps("bench distributed", 2 * len(prompts)) as steps:
+            steps.say("warm-up")
+            warm = prompts[0].encode(pair.tokenizer)  # first passes allocate and pick kernels: not measured
+            for drafter in (pair.drafter, remote):
+                speculative(pair.target, drafter, warm, 16, draft, greedy, pair.eos_ids)
+            remote.timing = Timing()
+            for i, prompt in enumerate(prompts):
+                ids = prompt.encode(pair.tokenizer)
+                row = {"id": prompt.id}
+                for mode in (["colocated", "distributed"] if i % 2 == 0 else ["distributed", "colocated"]):
+                    steps.begin(f"{mode}, prompt {i + 1}/{len(prompts)} ({prompt.id})")
+                    drafter = remote if mode == "distributed" else pair.drafter
+                    gen = speculative(pair.target, drafter, ids, args.max_new_tokens, draft, greedy, pair.eos_ids)
+                    row[mode] = {"tokens": len(gen.token_ids), "seconds": gen.seconds, "steps": gen.num_steps,
+                                 "token_ids": gen.token_ids}
+                    steps.end()
+                rows.append(row)
+                steps.line(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(
+                    f"{m} {row[m]['tokens'] / row[m]['seconds']:.2f} tok/s" for m in ("colocated", "distributed")))
         server_stats = client.stats()
         client.close()
     finally:
@@ -123,11 +127,22 @@ def main(args) -> int:
         "prompts": rows,
     }
     write_json(args.json_out, result)
-    bar_plot(args.plot_out or str(args.json_out).rsplit(".", 1)[0] + ".png",
-             ["co-located spec", "distributed spec (loopback)"], [rate["colocated"], rate["distributed"]],
+    png = args.plot_out or str(args.json_out).rsplit(".", 1)[0] + ".png"
+    bar_plot(png, ["co-located spec", "distributed spec (loopback)"], [rate["colocated"], rate["distributed"]],
              ylabel="tokens / s", title=f"One target: co-located vs draft server over loopback ({cfg.target_model().dtype})")
-    keys = ("colocated_tokens_per_s", "distributed_tokens_per_s", "throughput_ratio", "overhead_ms_per_iteration",
-            "serialisation_ms_per_iteration", "transport_ms_per_iteration", "server_reply_hop_ms",
-            "zmq_loopback_echo_ms", "outputs_identical")
-    print({k: round(result[k], 4) for k in keys})
+    r = result
+    summary(f"bench distributed: one target, {len(rows)} prompts, {cfg.target_model().dtype}, threads={args.threads}",
+            ["speculative decoding", "tokens/s", "vs co-located"],
+            [["co-located draft", f"{rate['colocated']:.2f}", "1.00x"],
+             ["draft server over loopback", f"{rate['distributed']:.2f}", f"{r['throughput_ratio']:.2f}x"]],
+            {"overhead per iteration": f"{r['overhead_ms_per_iteration']:.2f} ms mean (p50 {r['overhead_ms_p50']:.2f}, "
+                                       f"p99 {r['overhead_ms_p99']:.2f}) over {r['iterations']} iterations",
+             "overhead split": f"serialisation {r['serialisation_ms_per_iteration']:.3f} ms, transport "
+                               f"{r['transport_ms_per_iteration']:.2f} ms (server reply hop "
+                               f"{r['server_reply_hop_ms']:.2f} ms, ZeroMQ loopback echo "
+                               f"{r['zmq_loopback_echo_ms']:.3f} ms)",
+             "draft per iteration": f"{r['draft_service_ms_per_iteration']:.1f} ms service, "
+                                    f"{r['draft_wall_ms_per_iteration']:.1f} ms wall",
+             "outputs identical": f"{r['outputs_identical']} of {len(rows)} prompts"},
+            {"JSON": args.json_out, "plot": png})
     return 0

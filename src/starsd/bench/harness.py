@@ -24,6 +24,7 @@ from starsd.models.drafter import DraftJob, Drafter, Pass
 from starsd.models.kv import KV
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
+from starsd.results import Steps
 from starsd.spec.verify import verify_greedy
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
@@ -35,17 +36,18 @@ WIDTHS = [1, 2, 3, 4, 6, 8, 11, 16]  # scored tokens per verify pass, for the me
 def add_star_args(p: argparse.ArgumentParser, json_out: str) -> None:
     """The flags of a benchmark that runs replay targets against a real draft server."""
     p.add_argument("--targets", default="1,2,4,8,16,32,64", help="numbers of targets N, comma-separated")
-    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=16, help="prompts recorded and cycled through")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens recorded per prompt (a continuation's length)")
     p.add_argument("--latency", default=None, help="a verify latency profile (JSON) for other target hardware; "
                                                    "default: measured here on the real target")
     p.add_argument("--warmup-s", type=float, default=20.0, help="seconds before the window opens (every "
                    "target's first request prefills its prompt: at large N a serial server needs a while)")
-    p.add_argument("--measure-s", type=float, default=30.0, help="length of the measuring window")
-    p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json-out", default=json_out)
+    p.add_argument("--measure-s", type=float, default=30.0, help="length of the measuring window (seconds)")
+    p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit (sessions)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the replay targets' latency draws (and the simulator's)")
+    p.add_argument("--json-out", default=json_out, help="results as JSON here, plots (PNG) beside it")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(threads=2)
@@ -188,14 +190,16 @@ def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.D
     if not prompts:
         raise ValueError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
     out = {}
-    for b in sizes:
-        out[b] = {"service_ms": [], "bound_ms": []}
-        for g in range(max(1, -(-rows_per_size // b))):
-            rows = [prompts[(g * b + i) % len(prompts)] for i in range(b)]
-            for key, values in _time_group(drafter, rec, rows, cfg, reps).items():
-                out[b][key] += values
-        print(f"service sweep: batch {b}: {statistics.fmean(out[b]['service_ms']):.0f} ms, bound "
-              f"{statistics.fmean(out[b]['bound_ms']):.0f} ms", flush=True)
+    with Steps("service sweep", len(sizes)) as steps:
+        for b in sizes:
+            steps.begin(f"batch b={b}")
+            out[b] = {"service_ms": [], "bound_ms": []}
+            for g in range(max(1, -(-rows_per_size // b))):
+                rows = [prompts[(g * b + i) % len(prompts)] for i in range(b)]
+                for key, values in _time_group(drafter, rec, rows, cfg, reps).items():
+                    out[b][key] += values
+            steps.end(f"service sweep: batch {b}: {statistics.fmean(out[b]['service_ms']):.0f} ms, bound "
+                      f"{statistics.fmean(out[b]['bound_ms']):.0f} ms")
     return out
 
 

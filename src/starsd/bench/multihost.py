@@ -12,7 +12,6 @@ reported beside it. Skips with a message where namespaces cannot be made (needs 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch
 from starsd import config as C
 from starsd.bench import harness
 from starsd.emulate import netns
-from starsd.results import line_plot, write_json
+from starsd.results import Steps, line_plot, summary, write_json
 from starsd.star.launch import read_json_line, start_server
 
 
@@ -56,8 +55,9 @@ class Proxy:
         self.proc.wait(timeout=10)
 
 
-def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float | None) -> list[dict]:
+def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float | None, steps: Steps) -> list[dict]:
     with netns.Link(rate) as link:
+        steps.say(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit: starting the draft server")
         star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, serial=False),
                             host=link.draft_ip, prefix=link.exec_argv(link.draft_ns))
         proxy = None
@@ -67,6 +67,7 @@ def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float |
             ping = harness.server_stats(proxy.address, runner.prefix, ping=50)["ping_ms"]["median"]
             points = []
             for n in ns:
+                steps.begin(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}")
                 pt, its = runner.point(proxy.address, n)
                 drafted = [it for it in its if it.batch]
                 mean_len = statistics.fmean(it.tokens for it in drafted)
@@ -75,9 +76,9 @@ def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float |
                           network_ms=pt["overhead_ms"] - ser)
                 pt.pop("utilization_over_time", None)
                 points.append(pt)
-                print(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}: {pt['system_tokens_per_s']:.1f} tok/s, "
-                      f"overhead {pt['overhead_ms']:.2f} ms (network {pt['network_ms']:.2f}, serialisation "
-                      f"{ser:.3f}), ping {ping:.2f} ms", flush=True)
+                steps.end(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}: {pt['system_tokens_per_s']:.1f} tok/s, "
+                          f"overhead {pt['overhead_ms']:.2f} ms (network {pt['network_ms']:.2f}, serialisation "
+                          f"{ser:.3f}), ping {ping:.2f} ms")
             return points
         finally:
             if proxy:
@@ -88,16 +89,18 @@ def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float |
 def main(args) -> int:
     reason = netns.available()
     if reason:
-        print(f"multi-host emulation skipped: {reason}")
         write_json(args.json_out, {"skipped": reason})
+        summary("bench multihost: skipped", ["reason"], [[reason]], files={"JSON": args.json_out})
         return 0
     netns.cleanup_stale()
     ns = harness.numbers(args.targets)
     torch.set_num_threads(args.threads)
     inputs = harness.prepare(args)
     points = []
-    for rtt, rate in networks(args.network):
-        points += run_network(inputs, args, ns, rtt, rate)
+    nets = networks(args.network)
+    with Steps("bench multihost", len(nets) * len(ns), step_s=args.warmup_s + args.measure_s) as steps:
+        for rtt, rate in nets:
+            points += run_network(inputs, args, ns, rtt, rate, steps)
     write_json(args.json_out, {
         "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
                    "latency_profile": inputs.latency.to_json()},
@@ -111,6 +114,11 @@ def main(args) -> int:
                        "y": [p["system_tokens_per_s"] for p in mine], "marker": "o"})
     line_plot(f"{stem}.png", series, "measured round trip (ms)", "system tokens / s",
               "Star across emulated hosts (netns + veth, user-space delay)")
-    print(json.dumps([{k: p[k] for k in ("n", "rtt_ms", "rate_mbit", "ping_rtt_ms", "system_tokens_per_s",
-                                          "overhead_ms", "network_ms", "serialisation_ms")} for p in points], indent=1))
+    summary("bench multihost: the star across emulated hosts (overheads per draft request, ms)",
+            ["RTT ms", "Mbit/s", "N", "ping ms", "tokens/s", "overhead", "network", "serialisation"],
+            [[f"{p['rtt_ms']:g}", f"{p['rate_mbit']:g}" if p["rate_mbit"] else "unshaped", p["n"],
+              f"{p['ping_rtt_ms']:.2f}", f"{p['system_tokens_per_s']:.1f}", f"{p['overhead_ms']:.2f}",
+              f"{p['network_ms']:.2f}", f"{p['serialisation_ms']:.3f}"] for p in points],
+            files={"JSON": args.json_out, "plot": f"{stem}.png",
+                   "latency profile": None if args.latency else inputs.latency_file})
     return 0

