@@ -117,6 +117,27 @@ def test_killed_target_is_reclaimed_and_others_finish(star, dirs, local):
     assert after["sessions_open"] == 0
 
 
+def test_the_first_draft_is_made_while_the_target_prefills(star, local):
+    from starsd.star.client import RemoteDrafter
+
+    client = DraftClient(star.address, vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "ahead")
+    try:
+        client.hello()
+        drafter = RemoteDrafter(client)
+        cfg = DraftConfig(depth=4, adaptive=False)
+        prompt = [7, 3, 9, 12, 40]
+        seq = drafter.start(prompt, cfg, SamplingConfig(), 4)
+        time.sleep(0.5)  # the target's prefill
+        drafter.propose(seq, [], cfg, SamplingConfig(), max_depth=4)
+        t = drafter.timing
+        assert t.batch == [1] and t.wall[0] < t.queue[0] + t.service[0]  # drafted before it was asked for
+        gen = speculative(local.target, drafter, prompt, 40, cfg, SamplingConfig())
+        assert gen.token_ids == target_only(local.target, prompt, 40, SamplingConfig()).token_ids
+        assert all(d > 0 for d in gen.depths[:-1])
+    finally:
+        client.close()
+
+
 def test_vocabulary_mismatch_is_refused_on_both_sides(star, dirs):
     p = subprocess.run([*spawn_cmd(), "target", "--connect", star.address, "--target", dirs["alien"],
                         "--dtype", "float32", "--prompt", "x", "--max-new-tokens", "4"],

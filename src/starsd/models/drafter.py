@@ -148,7 +148,10 @@ class Drafter:
     def device(self) -> torch.device:
         return fw.device_of(self.model)
 
-    def start(self, prompt_ids: list[int]) -> DraftSequence:
+    def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
+              max_depth: int = 0) -> DraftSequence:
+        """A sequence for `prompt_ids`. The first draft's settings are those of the Drafter
+        interface (spec/decode.py); in this process nothing can run beside the target's prefill."""
         return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, len(prompt_ids) + 64))
 
     def propose(self, seq: DraftSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,

@@ -4,7 +4,8 @@ Both loops share the target's forward pass and the sampling code, so greedy spec
 be compared token for token with target-only output. They work on interfaces, not on models:
 a target has `device`, `start`, `score` and `commit` (models.target.TargetModel, or a replay
 target); a drafter has `device`, `start` and `propose` (models.drafter.Drafter in this process,
-star.client.RemoteDrafter on a draft server). Each random generator lives on the device of the
+star.client.RemoteDrafter on a draft server). `start` is told the first step's draft before the
+target's prefill, so that a remote drafter can draft while the target prefills. Each random generator lives on the device of the
 tensors it draws for."""
 
 from __future__ import annotations
@@ -131,14 +132,20 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         policy = None
     elif policy is None or policy.max_depth != draft_cfg.depth:
         policy = DepthPolicy(draft_cfg.depth)
+
+    def pick(budget: int) -> int:  # at most budget tokens come out: budget-1 drafted + 1
+        return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
+
+    depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
+    dseq = drafter.start(prompt_ids, draft_cfg, sampling, depth)  # a remote draft may start before the prefill
     seq = target.start(prompt_ids)
-    dseq = drafter.start(prompt_ids)
     new_tokens: list[int] = []  # committed, not yet given to the drafter
     produced = 0
     done = max_new_tokens <= 0
     while not done:
-        budget = max_new_tokens - produced  # at most budget tokens come out: budget-1 drafted + 1
-        depth = policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
+        budget = max_new_tokens - produced
+        if produced:
+            depth = pick(budget)
         draft_ms = None
         if depth > 0:
             t_draft = time.perf_counter()

@@ -89,11 +89,20 @@ class DraftClient:
         """Send one draft request and wait for its reply. With settings it is a reset: `tokens` is
         then the whole sequence, and it gets a fresh step number, so that no late reply to an
         earlier request can pass for its answer. Raises DraftServerError on a refusal."""
+        self.send_draft(tokens, budget, draft, sampling)
+        return self.receive_draft()
+
+    def send_draft(self, tokens: list[int], budget: int, draft: DraftConfig | None = None,
+                   sampling: SamplingConfig | None = None) -> None:
+        """The first half of draft(): the request goes out; receive_draft() must come before the next."""
         reset = draft is not None
         if reset:
             self.step += 1
         t = torch.tensor(tokens, dtype=torch.int32)
         self._send(P.DraftRequest(self.tag, self.step, reset, draft, sampling, budget, P.specs(t)), (t,))
+
+    def receive_draft(self) -> tuple[P.DraftReply, tuple]:
+        """The second half of draft(): the reply to the request sent last."""
         while True:
             reply, tensors = self._receive(P.DraftReply, step=self.step)
             if reply.step == self.step:
@@ -191,6 +200,7 @@ class Heartbeat(threading.Thread):
 class RemoteSequence:
     tokens: list[int]  # committed tokens, as the target sees them
     sent: int = 0  # how many of them the draft server holds; 0: the next request is a reset
+    pending: int = 0  # a reset of this many tokens went out at start(); its reply is not read yet
 
 
 @dataclass
@@ -251,8 +261,16 @@ class RemoteDrafter:
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = 0.0
 
-    def start(self, prompt_ids: list[int]) -> RemoteSequence:
-        return RemoteSequence(list(prompt_ids))
+    def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
+              max_depth: int = 0) -> RemoteSequence:
+        """With settings and max_depth > 0, the stream's reset goes out at once: the draft server
+        prefills the prompt and drafts while the target prefills it, and the first propose() finds
+        its draft waiting (the draft's prefill no longer adds to the time to the first token)."""
+        seq = RemoteSequence(list(prompt_ids))
+        if cfg is not None and max_depth > 0 and not self.down and self.client.tag:
+            self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling)
+            seq.pending = len(seq.tokens)
+        return seq
 
     def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
                 generator=None, max_depth: int = 1 << 30) -> DraftTree:
@@ -306,6 +324,13 @@ class RemoteDrafter:
         return True
 
     def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int):
+        if seq.pending:  # the reset start() sent: read its reply first; it answers this step if nothing came since
+            held = seq.pending
+            seq.pending = 0
+            reply = self.client.receive_draft()
+            seq.sent = held
+            if held == len(seq.tokens):
+                return reply
         if seq.sent == 0:
             reply = self.client.draft(seq.tokens, budget, cfg, sampling)
         else:
