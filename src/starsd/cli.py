@@ -367,7 +367,7 @@ COMMANDS = {  # name: (help, flags, run)
     "target-server": ("a target that serves generation requests (ZeroMQ) as long as it runs", args_target_server,
                       cmd_target_server),
     "launch": ("a local star: one draft server and N targets on this machine", args_launch, cmd_launch),
-    "serve": ("an OpenAI-compatible endpoint in front of a star (local, or running elsewhere)", args_serve,
+    "serve": ("an OpenAI-compatible endpoint in front of a star (local, on Ray, or running elsewhere)", args_serve,
               cmd_serve),
     "demo": ("start a local star with its OpenAI endpoint, query it with the openai client, stop it", args_demo,
              cmd_demo),
