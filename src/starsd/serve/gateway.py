@@ -53,69 +53,81 @@ def draft_server_snapshot(address: str):
         client.close()
 
 
-def make_app(cfg: GatewayConfig) -> FastAPI:
-    registry = CollectorRegistry()
-    metrics = GatewayMetrics(registry, max_position=64)
-    registry.register(DraftServerCollector(lambda: draft_server_snapshot(cfg.draft_server)))
-    state: dict = {}
+class Gateway:
+    """The routes' work. One request's path: parse and check it (ApiError on anything wrong), take
+    an idle target from the Pool (or wait, or 503), relay its Outputs whole or as SSE chunks, and
+    count what happened in the metrics."""
+
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry, max_position=64)
+        self.registry.register(DraftServerCollector(lambda: draft_server_snapshot(cfg.draft_server)))
+        self.pool: Pool | None = None  # made inside the event loop (lifespan)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        pool = Pool(list(cfg.targets), cfg.max_queue, cfg.step_timeout_s)
-        await pool.start(cfg.start_timeout_s)
-        state["pool"] = pool
-        metrics.running.set_function(lambda: pool.running)
-        metrics.waiting.set_function(lambda: pool.waiting)
-        log.info("gateway: %d targets serving %s", len(pool.links), ", ".join(pool.models))
+    async def lifespan(self, app):
+        self.pool = Pool(list(self.cfg.targets), self.cfg.max_queue, self.cfg.step_timeout_s)
+        await self.pool.start(self.cfg.start_timeout_s)
+        self.metrics.running.set_function(lambda: self.pool.running)
+        self.metrics.waiting.set_function(lambda: self.pool.waiting)
+        log.info("gateway: %d targets serving %s", len(self.pool.links), ", ".join(self.pool.models))
         try:
             yield
         finally:
-            pool.close()
+            self.pool.close()
 
-    app = FastAPI(title="StarSD", lifespan=lifespan)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError):
-        metrics.requests.labels("rejected" if e.status == 503 else "invalid" if e.status < 500 else "error").inc()
+    async def api_error(self, request: Request, e: ApiError):
+        outcome = "rejected" if e.status == 503 else "invalid" if e.status < 500 else "error"
+        self.metrics.requests.labels(outcome).inc()
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if cfg.api_key and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+    async def authorize(self, request: Request, call_next):
+        if self.cfg.api_key and request.url.path.startswith("/v1/") and \
+                request.headers.get("authorization") != f"Bearer {self.cfg.api_key}":
             return JSONResponse(ApiError(401, "invalid or missing API key", kind="authentication_error").body(),
                                 status_code=401)
         return await call_next(request)
 
-    @app.get("/health")
-    async def health():
-        pool: Pool = state["pool"]
-        up = len(pool.links) - len(pool.failed)
-        body = {"status": "ok" if up else "down", "targets": len(pool.links), "targets_up": up,
-                "running": pool.running, "waiting": pool.waiting}
+    async def health(self):
+        up = len(self.pool.links) - len(self.pool.failed)
+        body = {"status": "ok" if up else "down", "targets": len(self.pool.links), "targets_up": up,
+                "running": self.pool.running, "waiting": self.pool.waiting}
         return JSONResponse(body, status_code=200 if up else 503)
 
-    @app.get("/metrics")
-    def prometheus():
-        return HttpResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def prometheus(self):
+        return HttpResponse(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
-        pool: Pool = state["pool"]
+    async def models(self):
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "starsd"}
-                                           for m in pool.models]}
+                                           for m in self.pool.models]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, CompletionRequest, chat=False)
+    async def completions(self, request: Request):
+        return await self.serve(request, CompletionRequest, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serve(request, ChatRequest, chat=True)
+    async def chat_completions(self, request: Request):
+        return await self.serve(request, ChatRequest, chat=True)
 
-    async def serve(request: Request, kind, chat: bool):
+    async def serve(self, request: Request, kind, chat: bool):
         arrived = time.perf_counter()
-        pool: Pool = state["pool"]
+        req = await self._parse(request, kind)
+        try:
+            generate = req.generate(self.pool.new_id(), self.cfg.default_max_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        try:
+            link, waited = await self.pool.acquire()
+        except Overloaded as e:
+            raise ApiError(503, str(e), kind="server_overloaded") from None
+        self.metrics.queue_time.observe(waited)
+        outputs = self.pool.stream(link, generate)
+        reply = Response(chat, req.model)
+        if req.stream:
+            return StreamingResponse(self._sse(outputs, reply, req.include_usage(), arrived),
+                                     media_type="text/event-stream")
+        return await self._whole(request, outputs, reply, arrived)
+
+    async def _parse(self, request: Request, kind):
         try:
             body = await request.json()
         except json.JSONDecodeError as e:
@@ -127,53 +139,41 @@ def make_app(cfg: GatewayConfig) -> FastAPI:
             raise ApiError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
                            str(first["loc"][0]) if first["loc"] else None) from None
         req.check()
-        if req.model not in pool.models:
-            raise ApiError(404, f"the model {req.model!r} does not exist; served: {', '.join(pool.models)}",
+        if req.model not in self.pool.models:
+            raise ApiError(404, f"the model {req.model!r} does not exist; served: {', '.join(self.pool.models)}",
                            "model", code="model_not_found")
-        try:
-            generate = req.generate(pool.new_id(), cfg.default_max_tokens)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        try:
-            link, waited = await pool.acquire()
-        except Overloaded as e:
-            raise ApiError(503, str(e), kind="server_overloaded") from None
-        metrics.queue_time.observe(waited)
-        outputs = pool.stream(link, generate)
-        reply = Response(chat, req.model)
-        if req.stream:
-            return StreamingResponse(sse(outputs, reply, req.include_usage(), arrived), media_type="text/event-stream")
-        return await whole(request, outputs, reply, arrived)
+        return req
 
-    def account(tally: Tally, out, last: float, arrived: float) -> float:
+    def _account(self, tally: Tally, out, last: float, arrived: float) -> float:
+        """Count one Output; returns its arrival time (perf_counter s)."""
         now = time.perf_counter()
         if tally.steps == 1:
-            metrics.ttft.observe(now - arrived)
-            metrics.prompt_tokens.inc(out.prompt_tokens)
-        metrics.step(out.tokens, out.drafted, out.accepted, now - last)
+            self.metrics.ttft.observe(now - arrived)
+            self.metrics.prompt_tokens.inc(out.prompt_tokens)
+        self.metrics.step(out.tokens, out.drafted, out.accepted, now - last)
         return now
 
-    def finished(tally: Tally, arrived: float) -> None:
-        metrics.e2e.observe(time.perf_counter() - arrived)
-        metrics.requests.labels(tally.finish if tally.finish in ("stop", "length") else "aborted").inc()
+    def _finished(self, tally: Tally, arrived: float) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - arrived)
+        self.metrics.requests.labels(tally.finish if tally.finish in ("stop", "length") else "aborted").inc()
 
-    async def whole(request: Request, outputs, reply: Response, arrived: float):
+    async def _whole(self, request: Request, outputs, reply: Response, arrived: float):
         tally = Tally()
         last = arrived
         async with contextlib.aclosing(outputs):
             try:
                 async for out in outputs:
                     tally.add(out)
-                    last = account(tally, out, last, arrived)
+                    last = self._account(tally, out, last, arrived)
                     if not out.finish and await request.is_disconnected():
-                        metrics.requests.labels("aborted").inc()
+                        self.metrics.requests.labels("aborted").inc()
                         return HttpResponse(status_code=499)
             except TargetFailed as e:
                 raise target_error(e) from None
-        finished(tally, arrived)
+        self._finished(tally, arrived)
         return reply.whole(tally)
 
-    async def sse(outputs, reply: Response, include_usage: bool, arrived: float):
+    async def _sse(self, outputs, reply: Response, include_usage: bool, arrived: float):
         tally = Tally()
         last = arrived
         done = False
@@ -182,23 +182,34 @@ def make_app(cfg: GatewayConfig) -> FastAPI:
                 try:
                     async for out in outputs:
                         tally.add(out)
-                        last = account(tally, out, last, arrived)
+                        last = self._account(tally, out, last, arrived)
                         if out.text or out.finish or tally.steps == 1:
                             yield event(reply.chunk(out.text, out.finish, first=tally.steps == 1))
                 except TargetFailed as e:
-                    metrics.requests.labels("error").inc()
+                    self.metrics.requests.labels("error").inc()
                     yield event(target_error(e).body())
                     done = True
                     return
-            finished(tally, arrived)
+            self._finished(tally, arrived)
             done = True
             if include_usage:
                 yield event(reply.usage_chunk(tally))
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away mid-stream (the response was cancelled)
-                metrics.requests.labels("aborted").inc()
+                self.metrics.requests.labels("aborted").inc()
 
+
+def make_app(cfg: GatewayConfig) -> FastAPI:
+    gateway = Gateway(cfg)
+    app = FastAPI(title="StarSD", lifespan=gateway.lifespan)
+    app.add_exception_handler(ApiError, gateway.api_error)
+    app.middleware("http")(gateway.authorize)
+    app.add_api_route("/health", gateway.health, methods=["GET"])
+    app.add_api_route("/metrics", gateway.prometheus, methods=["GET"])
+    app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     return app
 
 
