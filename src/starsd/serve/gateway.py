@@ -26,7 +26,8 @@ from starsd.serve.pool import Overloaded, Pool, TargetFailed
 from starsd.star.client import DraftClient, DraftServerError
 
 log = logging.getLogger("starsd.gateway")
-TARGET_ERRORS = {"bad_request": 400, "context_length": 400, "bad_settings": 400, "busy": 503, "timeout": 504}
+TARGET_ERRORS = {"bad_request": 400, "context_length": 400, "bad_settings": 400, "busy": 503, "timeout": 504,
+                 "target_lost": 502}
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ Each request goes to an idle target. When every target is busy it waits in a bou
 past the bound it is refused at once (Overloaded, an HTTP 503). A stream whose consumer goes away
 (the HTTP client disconnected) sends Cancel; its target returns to the pool only once it has said
 the stream is over, so a target never holds two streams.
+
+A target whose connection drops (its process died: the socket monitor reports the disconnect) is
+taken out of service at once, and the stream it held fails with `target_lost`; when a target
+server answers at the address again, it describes itself and rejoins the pool. A target that is
+connected but sends nothing for step_timeout_s is taken out of service for good.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from starsd.star import protocol as P
 
@@ -45,8 +51,11 @@ class TargetLink:
         self.sock.connect(address)
         self.info: P.TargetInfo | None = None
         self.streams: dict[int, asyncio.Queue] = {}
+        self.lost = False  # the connection dropped and has not come back
         self._described: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
 
     async def describe(self, timeout_s: float) -> P.TargetInfo:
         """Ask the target who it is (it may still be loading its model: the message waits for it)."""
@@ -79,9 +88,31 @@ class TargetLink:
                 if queue is not None:
                     queue.put_nowait(msg)
 
+    def watch(self, on_change) -> None:
+        """Call on_change(self, up) when the connection drops (up False) and when a target server
+        completes a handshake at the address after a drop (up True)."""
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._watcher = asyncio.create_task(self._watch(on_change))
+
+    async def _watch(self, on_change) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED and not self.lost:
+                self.lost = True
+                for stream_id, queue in self.streams.items():
+                    queue.put_nowait(P.Error("target_lost", f"target {self.info.name} went away mid-stream", stream_id))
+                on_change(self, False)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.lost:
+                self.lost = False
+                on_change(self, True)
+
     def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task:
+                task.cancel()
+        if self._monitor:  # a socket left open would hang the context's term()
+            self.sock.disable_monitor()
+            self._monitor.close(0)
         self.sock.close(0)
 
 
@@ -102,6 +133,7 @@ class Pool:
         await asyncio.gather(*(link.describe(timeout_s) for link in self.links))
         for link in self.links:
             self.idle.put_nowait(link)
+            link.watch(self._changed)
 
     @property
     def models(self) -> list[str]:
@@ -123,6 +155,8 @@ class Pool:
         self.waiting += 1
         try:
             link = await self.idle.get()
+            while link in self.failed:  # it went out of service while idle
+                link = await self.idle.get()
         finally:
             self.waiting -= 1
         return link, time.perf_counter() - t0
@@ -174,9 +208,28 @@ class Pool:
 
     def _release(self, link: TargetLink, stream_id: int) -> None:
         link.streams.pop(stream_id, None)
-        self.idle.put_nowait(link)
+        if link not in self.failed:
+            self.idle.put_nowait(link)
 
     def _fail(self, link: TargetLink) -> None:
         if link not in self.failed:
             log.error("target %s at %s stopped answering: out of service", link.info.name, link.address)
             self.failed.append(link)
+
+    def _changed(self, link: TargetLink, up: bool) -> None:
+        if not up:
+            log.error("target %s at %s disconnected: out of service until it is back", link.info.name, link.address)
+            if link not in self.failed:
+                self.failed.append(link)
+        else:
+            asyncio.get_running_loop().create_task(self._rejoin(link))
+
+    async def _rejoin(self, link: TargetLink) -> None:
+        try:
+            await link.describe(timeout_s=60)
+        except TargetFailed:
+            return
+        if link in self.failed and not link.lost:
+            self.failed.remove(link)
+            self.idle.put_nowait(link)
+            log.info("target %s at %s is back in service", link.info.name, link.address)
