@@ -4,6 +4,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -237,9 +238,16 @@ def test_launch_ctrl_c_leaves_no_orphans(dirs):
         pytest.fail(f"the launcher exited ({launcher.wait()}) before releasing its targets")
     children = descendants(launcher.pid)
     assert len(children) >= 3, "the launcher did not start a server and two targets"
+    rest: list[str] = []  # the star's stderr from here on, read so that no writer blocks on a full pipe
+    reader = threading.Thread(target=lambda: rest.extend(launcher.stderr), daemon=True)
+    reader.start()
     launcher.send_signal(signal.SIGINT)
-    launcher.wait(timeout=30)
-    assert launcher.returncode == 130
+    try:
+        launcher.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        pytest.fail(f"the launcher did not stop within 30 s of SIGINT; its stderr since:\n{''.join(rest)[-3000:]}")
+    assert launcher.returncode == 130, "".join(rest)[-3000:]
     deadline = time.monotonic() + 10
     while [c for c in children if alive(c)] and time.monotonic() < deadline:
         time.sleep(0.1)
