@@ -173,6 +173,7 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)  # also when started with SIGINT ignored (a background job inherits that)
     try:
         star = start_server(pair, server, port=port)
         print(f"draft server up at {star.address}; starting {n} targets", file=sys.stderr, flush=True)
