@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import signal
-import statistics
 import threading
 import time
 from pathlib import Path
 
 import openai
 from starsd import config as C
+from starsd.bench.metrics import percentile
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, panel_plot, summary, write_json
 from starsd.star.launch import free_port, read_json_line, spawn
@@ -39,17 +39,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(threads=1)  # the target and the draft server share the cores
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation; 0 for no data."""
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
