@@ -100,3 +100,35 @@ def test_one_policy_carries_over_a_streams_generations(tiny_target, tiny_drafter
         assert g.token_ids == target_only(tiny_target, p, 24, SamplingConfig()).token_ids
     assert policy.steps == sum(g.num_steps for g in gens)
     assert sum(policy.acceptance.tried) > 0 and policy.verify_ms.values
+
+
+def test_deadline_is_the_wait_speculation_can_win_back():
+    policy = DepthPolicy(4)
+    for _ in range(20):
+        policy.observe(4, 4, 10.0, 5, 200.0)  # every draft fully accepted; verifying 5 tokens: 200 ms
+        policy.observe(0, 0, None, 1, 100.0)  # decoding alone: 100 ms
+    # (1 + 4 accepted) * 100 ms alone - 200 ms verify = 300 ms: a later draft loses to decoding alone
+    assert policy.deadline_ms(4) == pytest.approx(300.0, rel=0.02)
+    assert policy.rate(4) * 1.0 == pytest.approx(5 / 210, rel=0.02)
+
+
+def test_a_missed_deadline_pauses_drafting_longer_each_time_in_a_row():
+    policy = DepthPolicy(4, explore=4)
+    policy.observe(4, 2, 5.0, 5, 50.0)
+    policy.missed(4, 300.0)
+    assert [policy.choose(4) for _ in range(4)] == [0] * 4 and policy.choose(4) > 0
+    policy.missed(4, 300.0)
+    assert [policy.choose(4) for _ in range(8)] == [0] * 8  # twice as long after a second miss in a row
+    policy.choose(4)
+    policy.observe(4, 2, 5.0, 5, 50.0)  # a draft in time ends the run of misses
+    policy.missed(4, 300.0)
+    assert [policy.choose(4) for _ in range(4)] == [0] * 4 and policy.choose(4) > 0
+
+
+def test_first_deadline_trusts_the_server_as_long_as_the_prefill_took():
+    policy = DepthPolicy(4)
+    policy.prefill(2000.0)
+    assert policy.deadline_ms(4) > 2000.0  # no pass measured yet: (1 + accepted) * 2 s - 2 s
+    policy.observe(4, 1, 5.0, 5, 100.0)
+    policy.prefill(9000.0)  # a pass is measured: the prefill no longer stands in for it
+    assert policy.deadline_ms(4) < 1000.0

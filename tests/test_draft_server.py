@@ -119,6 +119,8 @@ def test_stop_is_prompt_however_long_the_queue(tiny_drafters):
     server under load ignored SIGTERM); and a serial server drafted its whole queue first."""
 
     class Slow:
+        model = tiny_drafters["good"].model
+
         def propose_batch(self, jobs):
             time.sleep(0.3)
             return tiny_drafters["good"].propose_batch(jobs)
@@ -160,6 +162,7 @@ class Gated:
     def __init__(self, inner):
         self.inner = inner
         self.device = inner.device
+        self.model = inner.model
         self.closed = threading.Event()
         self.entered = threading.Event()
         self.opened = threading.Event()

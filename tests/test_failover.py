@@ -85,3 +85,36 @@ def test_killed_draft_server_targets_go_on_alone_then_reconnect(dirs):
         star.close()
         if restarted:
             restarted.close()
+
+
+def test_slow_draft_server_costs_a_target_almost_no_waiting(dirs):
+    """Every draft comes 300 ms after its request (a delaying proxy in the path); the tiny target
+    decodes a token in milliseconds, so no draft can pay. The target gives each draft the deadline
+    its own decode time allows, decodes alone when it passes, and waits ever more rarely."""
+    from starsd.emulate.delay_proxy import DelayProxy
+    from starsd.spec.depth import DepthPolicy
+
+    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
+    port = free_port()
+    star = start_server(pair_cfg, ServerConfig(), port=port)
+    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port), delay_ms=150).start()
+    client = DraftClient(f"tcp://127.0.0.1:{proxy.port}",
+                         vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "t")
+    try:
+        client.hello()
+        drafter = RemoteDrafter(client)
+        prompt = [5, 17, 33, 2]
+        policy = DepthPolicy(4)
+        gen = speculative(local.target, drafter, prompt, 100, DraftConfig(depth=4), GREEDY, policy=policy)
+        assert gen.token_ids == target_only(local.target, prompt, 100, GREEDY).token_ids
+        assert 1 <= drafter.timing.late <= 4  # paused 16, 32, 64 steps after each miss in a row
+        assert sum(drafter.timing.wall) < 300, "the target waited out the slow drafts"
+        assert not drafter.down, "a slow server is not a dead one"
+        gen2 = speculative(local.target, drafter, [9, 8, 7], 30, DraftConfig(depth=4), GREEDY, policy=policy)
+        assert gen2.token_ids == target_only(local.target, [9, 8, 7], 30, GREEDY).token_ids  # a late reply
+        # of the last stream is read and dropped, not taken for the new stream's answer
+    finally:
+        client.close()
+        proxy.stop()
+        star.close()

@@ -140,6 +140,7 @@ def args_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
     C.add_flags(p, C.PairConfig, skip=C.DRAFT_SIDE)
     C.add_flags(p, C.SamplingConfig)
+    C.add_flags(p, C.ClientKeys)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
 
 
@@ -154,7 +155,7 @@ def cmd_target(args) -> int:
     return worker.run(args.connect, C.from_args(C.PairConfig, args), prompts, args.max_new_tokens,
                       C.from_args(C.SamplingConfig, args), C.from_args(C.DraftConfig, args, prefix="draft-"),
                       name=args.name, as_json=args.json, no_spec=args.no_spec, ignore_eos=args.ignore_eos,
-                      wait_go=args.wait_go, timeout_s=args.timeout)
+                      wait_go=args.wait_go, timeout_s=args.timeout, keys=C.from_args(C.ClientKeys, args))
 
 
 def args_target_server(p: argparse.ArgumentParser) -> None:
@@ -164,8 +165,11 @@ def args_target_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0: off)")
+    p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address (target servers "
+                   "take no keys yet: anyone who reaches it can send generation requests)")
     C.add_flags(p, C.PairConfig, skip=C.DRAFT_SIDE)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
+    C.add_flags(p, C.ClientKeys)
 
 
 def cmd_target_server(args) -> int:
@@ -183,10 +187,10 @@ def cmd_target_server(args) -> int:
     client = None
     if args.connect:
         client = DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)),
-                             args.name, args.timeout)
-        client.hello()
+                             args.name, args.timeout, keys=C.from_args(C.ClientKeys, args))
+        client.try_hello()
     server = TargetServer(pair, args.bind, client, C.from_args(C.DraftConfig, args, prefix="draft-"), args.name,
-                          args.served_model_name or cfg.target)
+                          args.served_model_name or cfg.target, insecure=args.insecure)
     if args.metrics_port:
         from starsd.serve.metrics import TargetCollector, serve_metrics
 
@@ -210,7 +214,7 @@ def args_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-out", default=None, help="write the results as JSON here (and a PNG beside it)")
     p.add_argument("target_extra", nargs=argparse.REMAINDER, help="after --: more flags for every target")
     C.add_flags(p, C.PairConfig)
-    C.add_flags(p, C.ServerConfig, skip=("bind",))
+    C.add_flags(p, C.ServerConfig, skip=C.LOCAL_STAR_SKIPS)
     p.set_defaults(threads=1)  # three or more processes share the cores
 
 
@@ -246,7 +250,7 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-target-resources", type=json.loads, default={}, metavar="JSON",
                    help="Ray resources each target server needs (default: none, anywhere)")
     C.add_flags(p, C.PairConfig)
-    C.add_flags(p, C.ServerConfig, skip=("bind",))
+    C.add_flags(p, C.ServerConfig, skip=C.LOCAL_STAR_SKIPS)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
     p.set_defaults(threads=1)  # three or more processes share the cores
 
@@ -295,6 +299,7 @@ def args_replay_targets(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the latency draws")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the draft server's reply")
     C.add_flags(p, C.DraftConfig, prefix="draft-")
+    C.add_flags(p, C.ClientKeys)
 
 
 def cmd_replay_targets(args) -> int:
@@ -306,7 +311,7 @@ def cmd_replay_targets(args) -> int:
     torch.set_num_threads(1)  # replay targets only sleep; leave the cores to the draft server
     host = Host(args.connect, Recording.load(args.recording), LatencyProfile.load(args.latency), args.targets,
                 args.max_new_tokens, C.from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,
-                args.duration_s, args.seed, args.timeout)
+                args.duration_s, args.seed, args.timeout, keys=C.from_args(C.ClientKeys, args))
     return host.run(args.wait_go)
 
 
@@ -314,6 +319,7 @@ def args_stats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", required=True, help="the draft server's address")
     p.add_argument("--ping", type=int, default=0, help="also time this many Ping round trips (reported in ms)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the draft server's reply")
+    C.add_flags(p, C.ClientKeys)
 
 
 def cmd_stats(args) -> int:
@@ -321,7 +327,7 @@ def cmd_stats(args) -> int:
 
     from starsd.star.client import DraftClient
 
-    client = DraftClient(args.connect, "", "stats", timeout_s=args.timeout)
+    client = DraftClient(args.connect, "", "stats", timeout_s=args.timeout, keys=C.from_args(C.ClientKeys, args))
     try:
         stats = client.stats()
         if args.ping:
@@ -352,6 +358,20 @@ def args_simulate(p: argparse.ArgumentParser) -> None:
     simulate.add_args(p)
 
 
+def args_keys(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="where to write the key files")
+    p.add_argument("names", nargs="+", help="one key pair per name: NAME.key (public) and NAME.key_secret")
+
+
+def cmd_keys(args) -> int:
+    from starsd.star.security import make_keys
+
+    for name in args.names:
+        public, secret = make_keys(args.directory, name)
+        print(json.dumps({"name": name, "public": public, "secret": secret}))
+    return 0
+
+
 def cmd_simulate(args) -> int:
     from starsd.theory import simulate
 
@@ -373,6 +393,7 @@ COMMANDS = {  # name: (help, flags, run)
              cmd_demo),
     "replay-targets": ("N replay targets in one process (remote targets emulated; greedy)", args_replay_targets,
                        cmd_replay_targets),
+    "keys": ("make CurveZMQ key pairs: a draft server's, and one per target it allows", args_keys, cmd_keys),
     "stats": ("print a draft server's counters (JSON): batches, utilisation, timeline", args_stats, cmd_stats),
     "model": ("the analytical model's prediction for a measured profile", args_model, cmd_model),
     "simulate": ("discrete-event simulation of K draft servers and N targets on a profile", args_simulate,

@@ -187,9 +187,16 @@ class ServerConfig:
     max_batch: int = setting(32, "sessions drafted together in one batch at most")
     queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
     max_context: int = setting(32768, "tokens one session may hold (prompt + generated); beyond it drafts are refused")
+    kv_budget_gib: float = setting(8.0, "draft KV cache all sessions may hold together (GiB), counted from the draft "
+                                   "model's shape; a request that would exceed it is refused as kv_full")
     predraft: bool = setting(True, "while no request waits, draft each idle chain session's likeliest next request "
                              "(last draft accepted whole, the draft's own bonus guess) and answer it at once on a hit")
     metrics_port: int = setting(0, "serve Prometheus metrics over HTTP on this port, all interfaces (0: off)")
+    curve_key: str = setting("", "this server's secret key file (starsd keys): every peer must then authenticate "
+                             "with a key from --curve-clients (CurveZMQ)")
+    curve_clients: str = setting("", "directory of the public key files of the targets allowed to connect")
+    insecure: bool = setting(False, "allow binding a non-loopback address without keys (no authentication, "
+                             "no encryption)")
 
     def __post_init__(self):
         if not 0 <= self.metrics_port <= 65535:
@@ -197,10 +204,27 @@ class ServerConfig:
         for name in ("max_sessions", "max_batch", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if not (math.isfinite(self.kv_budget_gib) and self.kv_budget_gib > 0):
+            raise ValueError(f"kv_budget_gib must be > 0, not {self.kv_budget_gib}")
         if self.queue_limit < 0:
             raise ValueError(f"queue_limit must be >= 0, not {self.queue_limit}")
         if not (math.isfinite(self.session_timeout_s) and self.session_timeout_s > 0):
             raise ValueError(f"session_timeout_s must be > 0, not {self.session_timeout_s}")
+
+
+LOCAL_STAR_SKIPS = ("bind", "curve_key", "curve_clients", "insecure")  # a local star's server is on loopback
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """A target's keys for a draft server that requires authentication (star/security.py)."""
+
+    curve_key: str = setting("", "this target's secret key file (starsd keys), to authenticate to the draft server")
+    curve_server_key: str = setting("", "the draft server's public key file (its NAME.key)")
+
+    @property
+    def given(self) -> bool:
+        return bool(self.curve_key or self.curve_server_key)
 
 
 # ---------------------------------------------------------------------------------------- flags

@@ -12,6 +12,7 @@ reported beside it. Skips with a message where namespaces cannot be made (needs 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -58,8 +59,10 @@ class Proxy:
 def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float | None, steps: Steps) -> list[dict]:
     with netns.Link(rate) as link:
         steps.say(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit: starting the draft server")
-        star = start_server(C.from_args(C.PairConfig, args), harness.server_config(args, serial=False),
-                            host=link.draft_ip, prefix=link.exec_argv(link.draft_ns))
+        server = dataclasses.replace(harness.server_config(args, serial=False), insecure=True)  # a veth of
+        # network namespaces made here: no other host can reach it
+        star = start_server(C.from_args(C.PairConfig, args), server, host=link.draft_ip,
+                            prefix=link.exec_argv(link.draft_ns))
         proxy = None
         try:
             proxy = Proxy(link, star.address, rtt_ms / 2)

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from starsd.config import DraftConfig, SamplingConfig
+from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import DepthPolicy
@@ -23,7 +23,7 @@ from starsd.star.client import DraftClient, RemoteDrafter, Timing
 class Host:
     def __init__(self, connect: str, recording: Recording, latency: LatencyProfile, n: int,
                  max_new_tokens: int, draft: DraftConfig, no_spec: bool = False, duration_s: float = 0.0,
-                 seed: int = 0, timeout_s: float = 120.0):
+                 seed: int = 0, timeout_s: float = 120.0, keys: ClientKeys = ClientKeys()):
         if max_new_tokens > recording.max_new_tokens:
             raise ValueError(f"the recording holds {recording.max_new_tokens} tokens per prompt; "
                              f"cannot replay {max_new_tokens}")
@@ -37,6 +37,7 @@ class Host:
         self.duration_s = duration_s
         self.seed = seed
         self.timeout_s = timeout_s
+        self.keys = keys
         self.prompts = list(recording.prompts.items())
         self.ready = threading.Barrier(n + 1)
         self.go = threading.Event()
@@ -69,7 +70,7 @@ class Host:
 
     def _target(self, i: int) -> None:
         name = f"replay-{i}"
-        client = DraftClient(self.connect, self.recording.fingerprint, name, self.timeout_s)
+        client = DraftClient(self.connect, self.recording.fingerprint, name, self.timeout_s, keys=self.keys)
         try:
             if not self.no_spec:
                 client.hello()

@@ -155,9 +155,11 @@ class Drafter:
         return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, len(prompt_ids) + 64))
 
     def propose(self, seq: DraftSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
-                generator: torch.Generator | None = None, max_depth: int = 1 << 30) -> DraftTree:
+                generator: torch.Generator | None = None, max_depth: int = 1 << 30,
+                deadline_ms: float | None = None) -> DraftTree:
         """Append `new_tokens` to the committed sequence and draft a tree below its last token,
-        at most max_depth deep (the target's remaining budget less its bonus token)."""
+        at most max_depth deep (the target's remaining budget less its bonus token). `deadline_ms`
+        is for a remote drafter; a draft computed here costs the caller its own time either way."""
         return self.propose_batch([DraftJob(seq, new_tokens, cfg, sampling, generator, max_depth)])[0]
 
     @torch.inference_mode()

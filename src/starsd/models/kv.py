@@ -63,10 +63,16 @@ class KV(Cache):
     def allocate(cls, model, rows: int, capacity: int) -> KV:
         """Zeros (padding that is masked out must still be finite) for `rows` rows of `capacity` columns."""
         c = model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         embed = model.get_input_embeddings().weight  # the activations' dtype, even for an int8 model
-        shape = (rows, c.num_key_value_heads, capacity, head_dim)
+        shape = (rows, c.num_key_value_heads, capacity, _head_dim(c))
         return cls([Slab(embed.new_zeros(shape), embed.new_zeros(shape), 0) for _ in range(c.num_hidden_layers)])
+
+    @staticmethod
+    def bytes_per_column(model) -> int:
+        """Bytes of keys and values one token takes in one row: 2 x layers x kv heads x head dim x element size."""
+        c = model.config
+        size = model.get_input_embeddings().weight.element_size()
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * _head_dim(c) * size
 
     @property
     def length(self) -> int:
@@ -121,6 +127,10 @@ class KV(Cache):
             idx = rows.to(slab.keys.device)
             slab.keys = slab.keys.index_select(0, idx)
             slab.values = slab.values.index_select(0, idx)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _resized(t: torch.Tensor, length: int, capacity: int) -> torch.Tensor:

@@ -123,8 +123,9 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
                       policy: DepthPolicy | None = None) -> Iterator[Step]:
     """Draft -> verify -> accept until the budget or an EOS, one Step per target pass; a consumer
     that stops iterating ends the stream. With draft_cfg.adaptive a DepthPolicy picks each step's
-    depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one.
-    Pass one `policy` to every generation of a stream, so that what it learnt carries over."""
+    depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one. It
+    also gives each draft a deadline (spec/depth.py): a draft that misses it comes back empty from
+    a remote drafter, and that step decodes alone. Pass one `policy` to every generation of a stream, so that what it learnt carries over."""
     require_prompt(prompt_ids)
     verify_gen = make_generator(sampling.seed, target.device)
     draft_gen = make_generator(sampling.seed + 1, drafter.device)
@@ -138,7 +139,10 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
 
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     dseq = drafter.start(prompt_ids, draft_cfg, sampling, depth)  # a remote draft may start before the prefill
+    t_prefill = time.perf_counter()
     seq = target.start(prompt_ids)
+    if policy:
+        policy.prefill((time.perf_counter() - t_prefill) * 1e3)
     new_tokens: list[int] = []  # committed, not yet given to the drafter
     produced = 0
     done = max_new_tokens <= 0
@@ -148,11 +152,15 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
             depth = pick(budget)
         draft_ms = None
         if depth > 0:
+            deadline_ms = policy.deadline_ms(depth) if policy else None
             t_draft = time.perf_counter()
-            tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth)
+            tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth,
+                                   deadline_ms=deadline_ms)
             draft_ms = (time.perf_counter() - t_draft) * 1e3
             new_tokens = []
             tree = tree.truncate(depth)
+            if policy and len(tree) == 0 and draft_ms >= deadline_ms:
+                policy.missed(depth, draft_ms)
         else:
             tree = DraftTree.empty()
         t_verify = time.perf_counter()

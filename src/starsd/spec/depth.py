@@ -18,6 +18,15 @@ the configured one: a stream starts speculating at full depth and learns from th
 `explore` steps the policy looks beside its choice, in turn: decoding alone, one level shallower,
 one deeper (or, while decoding alone, the best draft), so that costs it has not measured, and a
 draft server that slows down or frees up, are noticed.
+
+The same arithmetic bounds the wait: a draft d deep pays only while it arrives within
+
+    deadline(d) = (1 + accepted(d)) * verify_ms(1) - verify_ms(d + 1)
+
+(rate(d) >= rate(0) solved for draft_ms). A target gives each draft that long; one that misses it
+is decoded alone (`missed`), and the policy then decodes alone for `explore` steps, twice as long
+after each further miss in a row, before it asks again. So a draft server that is alive but slow or
+overloaded costs a target at most one bounded wait per pause, and never its own decoding speed.
 """
 
 from __future__ import annotations
@@ -144,6 +153,8 @@ class DepthPolicy:
     verify_ms: Table = None
     steps: int = 0
     chosen: int = 0
+    paused: int = 0  # steps left to decode alone after a missed deadline
+    misses: int = 0  # deadlines missed in a row (each doubles the next pause)
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -161,6 +172,10 @@ class DepthPolicy:
     def choose(self, limit: int) -> int:
         """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""
         limit = max(0, min(limit, self.max_depth))
+        if self.paused > 0:
+            self.paused -= 1
+            self.chosen = 0
+            return 0
         rates = [self.rate(d) for d in range(limit + 1)]
         best = max(range(limit + 1), key=rates.__getitem__)
         self.steps += 1
@@ -172,10 +187,30 @@ class DepthPolicy:
         self.chosen = best
         return best
 
+    def deadline_ms(self, d: int) -> float:
+        """How long a draft d deep may take and still beat decoding alone. A depth chosen to explore
+        may not pay at all: it gets the time it is expected to take, up to one pass of decoding alone."""
+        gain = (1.0 + self.acceptance.expected(d)) * self.verify_ms(1) - self.verify_ms(d + 1)
+        return max(gain, min(self.draft_ms(d), self.verify_ms(1)), 1.0)
+
+    def prefill(self, ms: float) -> None:
+        """The target's prefill took `ms`: until a one-token pass is measured, its cost is taken to
+        be at most that (a first deadline that trusts the draft server as long as the prefill took)."""
+        if not self.verify_ms.values:
+            self.verify_ms.prior = ms
+
+    def missed(self, depth: int, waited_ms: float) -> None:
+        """A draft `depth` deep did not come within its deadline: the step decoded alone. The wait
+        counts as a draft time (at least that long), and the policy decodes alone for a while."""
+        self.draft_ms.add(depth, waited_ms)
+        self.paused = self.explore << min(self.misses, 4)
+        self.misses += 1
+
     def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float) -> None:
         """One step: a draft `depth` deep (0: none) waited for draft_ms, verified `width` tokens
         (root and draft) in verify_ms and had `accepted` tokens accepted."""
         if depth > 0:
+            self.misses = 0
             self.acceptance.add(depth, accepted)
             if draft_ms is not None and math.isfinite(draft_ms):
                 self.draft_ms.add(depth, draft_ms)

@@ -7,6 +7,8 @@ draft -> verify -> accept loop (spec.decode.speculative) whether its drafter is 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
 import time
 import uuid
@@ -15,10 +17,17 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from starsd.config import DraftConfig, SamplingConfig
+from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.errors import StarsdError
 from starsd.spec.tree import DraftTree
 from starsd.star import protocol as P
+from starsd.star import security
+
+
+log = logging.getLogger("starsd.client")
+
+# Refusals after which a target decodes alone and asks again later: the server is absent, or full.
+GO_ON_ALONE = ("busy", "unreachable", "timeout", "too_many_sessions", "kv_full")
 
 
 class DraftServerError(StarsdError, RuntimeError):
@@ -27,6 +36,19 @@ class DraftServerError(StarsdError, RuntimeError):
     def __init__(self, code: str, message: str):
         super().__init__(f"draft server: {message} [{code}]")
         self.code = code
+
+
+def connect(ctx: zmq.Context, address: str, keys: ClientKeys, send_hwm: int = 0) -> zmq.Socket:
+    """A DEALER socket with a fresh random routing id, connected to `address` (authenticating with
+    `keys` if given); `send_hwm` > 0 bounds the messages it queues while the server is away."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    if send_hwm:
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
+    security.guard_client(sock, keys.curve_key, keys.curve_server_key)
+    sock.connect(address)
+    return sock
 
 
 class DraftClient:
@@ -41,8 +63,9 @@ class DraftClient:
     waiting out timeout_s (which is for a server that is alive but slow)."""
 
     def __init__(self, address: str, fingerprint: str, name: str = "target", timeout_s: float = 60.0,
-                 heartbeat_s: float = 0.25, dead_after_s: float = 1.0):
+                 heartbeat_s: float = 0.25, dead_after_s: float = 1.0, keys: ClientKeys = ClientKeys()):
         self.address = address
+        self.keys = keys  # for a server that requires authentication (star/security.py)
         self.fingerprint = fingerprint
         self.name = name
         self.timeout_s = timeout_s
@@ -55,11 +78,7 @@ class DraftClient:
         self.step = 0
 
     def _socket(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        sock.connect(self.address)
-        return sock
+        return connect(self.ctx, self.address, self.keys)
 
     def hello(self, timeout_s: float | None = None) -> P.Welcome:
         self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
@@ -68,9 +87,22 @@ class DraftClient:
         if self.heartbeat_s > 0:
             if self._heartbeat:
                 self._heartbeat.stop()
-            self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s)
+            self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s, self.keys)
             self._heartbeat.start()
         return welcome
+
+    def try_hello(self) -> bool:
+        """hello(), except that a draft server that is absent, full or busy is no failure: the target
+        starts decoding alone, and its RemoteDrafter opens the session later (with backoff). A
+        misconfiguration (another protocol version or vocabulary) still raises."""
+        try:
+            self.hello()
+            return True
+        except DraftServerError as e:
+            if e.code not in GO_ON_ALONE:
+                raise
+            log.warning("no draft session yet (%s): decoding alone until the draft server admits one", e)
+            return False
 
     def reachable(self) -> bool:
         """Whether the server answered a ping within dead_after_s (True without a heartbeat)."""
@@ -101,13 +133,18 @@ class DraftClient:
         t = torch.tensor(tokens, dtype=torch.int32)
         self._send(P.DraftRequest(self.tag, self.step, reset, draft, sampling, budget, P.specs(t)), (t,))
 
-    def receive_draft(self) -> tuple[P.DraftReply, tuple]:
-        """The second half of draft(): the reply to the request sent last."""
+    def receive_draft(self, wait_s: float | None = None) -> tuple[P.DraftReply, tuple] | None:
+        """The second half of draft(): the reply to the request sent last. With `wait_s`, None if it
+        has not come within that long; the request is then still in flight, and this is to be
+        called again before another request goes out."""
+        until = None if wait_s is None else time.monotonic() + wait_s
         while True:
-            reply, tensors = self._receive(P.DraftReply, step=self.step)
-            if reply.step == self.step:
+            got = self._receive(P.DraftReply, step=self.step, until=until)
+            if got is None:
+                return None
+            if got[0].step == self.step:
                 self.step += 1
-                return reply, tensors
+                return got
 
     def stats(self) -> dict:
         self._send(P.StatsRequest())
@@ -134,13 +171,17 @@ class DraftClient:
     def _send(self, msg, tensors=()) -> None:
         self.sock.send_multipart(P.encode(msg, tensors), copy=False)
 
-    def _receive(self, want: type, step: int = -1, timeout_s: float | None = None):
-        """The next message, which must be a `want`. An Error is raised as DraftServerError unless
-        it answers another step than `step` (a late answer to an earlier request: skipped)."""
+    def _receive(self, want: type, step: int = -1, timeout_s: float | None = None, until: float | None = None):
+        """The next message, which must be a `want`; None if `until` (monotonic s) passes first. An
+        Error is raised as DraftServerError unless it answers another step than `step` (a late
+        answer to an earlier request: skipped)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
-            if not self.sock.poll(100):
+            wait_ms = 100 if until is None else max(0, min(100, math.ceil((until - time.monotonic()) * 1e3)))
+            if not self.sock.poll(wait_ms):
+                if until is not None and time.monotonic() >= until:
+                    return None
                 if time.monotonic() > deadline:
                     raise DraftServerError("timeout", f"no answer from {self.address} within {timeout_s:.0f} s")
                 if not self.reachable():
@@ -162,9 +203,10 @@ class Heartbeat(threading.Thread):
     tell a busy target from a dead one, and the target a dead server from a busy one (ZeroMQ
     sockets are not shared between threads)."""
 
-    def __init__(self, address: str, tag: int, interval_s: float):
+    def __init__(self, address: str, tag: int, interval_s: float, keys: ClientKeys = ClientKeys()):
         super().__init__(name="starsd-heartbeat", daemon=True)
         self.address = address
+        self.keys = keys
         self.tag = tag
         self.interval_s = interval_s
         self._stop_event = threading.Event()
@@ -175,10 +217,8 @@ class Heartbeat(threading.Thread):
         return time.monotonic() - self._last_pong
 
     def run(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 4)  # pings to a dead server are dropped, not queued up for its successor
-        sock.connect(self.address)
+        sock = connect(zmq.Context.instance(), self.address, self.keys, send_hwm=4)  # pings to a dead server
+        # are dropped, not queued up for its successor
         try:
             while not self._stop_event.wait(self.interval_s):
                 try:
@@ -200,19 +240,23 @@ class Heartbeat(threading.Thread):
 class RemoteSequence:
     tokens: list[int]  # committed tokens, as the target sees them
     sent: int = 0  # how many of them the draft server holds; 0: the next request is a reset
-    pending: int = 0  # a reset of this many tokens went out at start(); its reply is not read yet
+    pending: int = 0  # a request is in flight (its reply not read yet): the server will hold this many
+    # tokens once it is taken. Set by start()'s early reset and by a draft that missed its deadline.
+    alone_until: float = 0.0  # no drafts before this (monotonic s): the server refused this stream for want of room
 
 
 @dataclass
 class Timing:
     """Per draft request, as the target saw it (ms), one entry per request in order. overhead = wall -
     queue - service: serialisation, transport and the server's IO hop. A request the server turned
-    away as busy (that step decoded without a draft) has batch 0 and no queue or service time."""
+    away as busy, or whose draft missed the target's deadline (that step decoded without a draft),
+    has batch 0 and no queue or service time."""
 
     wall: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
     service: list[float] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
+    late: int = 0  # requests whose draft missed the deadline (their steps decoded alone)
 
     def add(self, wall: float, queue: float = 0.0, service: float = 0.0, batch: int = 0) -> None:
         self.wall.append(wall)
@@ -222,14 +266,14 @@ class Timing:
 
     @property
     def refused(self) -> int:
-        return self.batch.count(0)
+        return self.batch.count(0) - self.late
 
     def summary(self) -> dict:
         """Means over the answered requests."""
         answered = [i for i, b in enumerate(self.batch) if b]
         n = len(answered)
         if not n:
-            return {"requests": 0, "refused": self.refused} if self.refused else {}
+            return {"requests": 0, "refused": self.refused, "late": self.late} if self.batch else {}
 
         def mean(xs):
             return sum(xs[i] for i in answered) / n
@@ -237,7 +281,7 @@ class Timing:
         overhead = [w - q - s for w, q, s in zip(self.wall, self.queue, self.service)]
         return {"requests": n, "wall_ms": mean(self.wall), "queue_ms": mean(self.queue),
                 "service_ms": mean(self.service), "overhead_ms": mean(overhead),
-                "mean_batch": mean(self.batch), "refused": self.refused}
+                "mean_batch": mean(self.batch), "refused": self.refused, "late": self.late}
 
 
 class RemoteDrafter:
@@ -248,7 +292,12 @@ class RemoteDrafter:
     gives empty drafts: the target decodes alone, losing nothing, since every committed token stays
     in the sequence. Once the heartbeat hears the server again (a restart at the same address), the
     drafter opens a new session, at most once per backoff (0.5 s, doubling to 30 s while hellos
-    fail), and its next request is a reset carrying the whole accepted prefix."""
+    fail), and its next request is a reset carrying the whole accepted prefix. A client with no
+    session yet (its hello was refused) starts that way.
+
+    A server that is full (`kv_full`: its draft KV budget is taken) gives empty drafts for the
+    backoff's first wait, then the stream asks again with a reset; a stream past the server's
+    context limit (`context_full`) decodes alone to its end."""
 
     device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
     BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
@@ -256,7 +305,8 @@ class RemoteDrafter:
     def __init__(self, client: DraftClient):
         self.client = client
         self.timing = Timing()
-        self.down = False  # the server stopped answering; drafts are empty until a new session opens
+        self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
+        # drafts are empty until a new session opens
         self.outages = 0
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = 0.0
@@ -273,23 +323,33 @@ class RemoteDrafter:
         return seq
 
     def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
-                generator=None, max_depth: int = 1 << 30) -> DraftTree:
+                generator=None, max_depth: int = 1 << 30, deadline_ms: float | None = None) -> DraftTree:
         """`generator` is unused: a sampled draft draws from the server's per-session generator,
-        seeded as the co-located drafter's is, so seeded runs match."""
+        seeded as the co-located drafter's is, so seeded runs match. A draft that has not come
+        within `deadline_ms` (spec/depth.py) gives an empty draft; its request stays in flight, and
+        its reply is read, its draft dropped, before the next request goes out."""
         seq.tokens.extend(new_tokens)
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
-        if self.down and not self._back(seq):
+        until = None if deadline_ms is None else time.monotonic() + deadline_ms / 1e3
+        if (self.down and not self._back(seq)) or time.monotonic() < seq.alone_until:
             self.timing.add((time.perf_counter() - t0) * 1e3)
             return DraftTree.empty()
         for attempt in range(2):
             try:
-                reply, tensors = self._request(seq, cfg, sampling, budget)
+                reply, tensors = self._request(seq, cfg, sampling, budget, until)
                 break
+            except Late:
+                self.timing.late += 1
+                self.timing.add((time.perf_counter() - t0) * 1e3)
+                return DraftTree.empty()
             except DraftServerError as e:
                 if e.code in ("unreachable", "timeout"):
                     self._lost(seq)
-                if e.code in ("busy", "unreachable", "timeout"):
+                if e.code in ("kv_full", "context_full"):
+                    seq.sent = 0  # refused with the server's state of it gone: the next request is a reset
+                    seq.alone_until = time.monotonic() + (self.BACKOFF_S[0] if e.code == "kv_full" else math.inf)
+                if e.code in GO_ON_ALONE or e.code == "context_full":
                     self.timing.add((time.perf_counter() - t0) * 1e3)
                     return DraftTree.empty()
                 if attempt or e.code not in ("reset_required", "unknown_session"):
@@ -304,6 +364,7 @@ class RemoteDrafter:
     def _lost(self, seq: RemoteSequence) -> None:
         self.down = True
         self.outages += 1
+        seq.pending = 0  # that socket is closed before the next request: no reply of it will be read
         seq.sent = 0  # whatever session comes next starts from the whole accepted prefix
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = time.monotonic() + self._backoff_s
@@ -323,17 +384,34 @@ class RemoteDrafter:
         seq.sent = 0
         return True
 
-    def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int):
-        if seq.pending:  # the reset start() sent: read its reply first; it answers this step if nothing came since
-            held = seq.pending
-            seq.pending = 0
-            reply = self.client.receive_draft()
-            seq.sent = held
-            if held == len(seq.tokens):
+    def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int,
+                 until: float | None):
+        if seq.pending:  # a request is in flight (start()'s reset, or a draft that came late): its reply first
+            reply = self._settle(seq, until)
+            if seq.sent == len(seq.tokens):  # start()'s reset, and nothing committed since: it answers this step
                 return reply
         if seq.sent == 0:
-            reply = self.client.draft(seq.tokens, budget, cfg, sampling)
+            self.client.send_draft(seq.tokens, budget, cfg, sampling)
         else:
-            reply = self.client.draft(seq.tokens[seq.sent:], budget)
-        seq.sent = len(seq.tokens)
+            self.client.send_draft(seq.tokens[seq.sent:], budget)
+        seq.pending = len(seq.tokens)
+        return self._settle(seq, until)
+
+    def _settle(self, seq: RemoteSequence, until: float | None):
+        """The in-flight request's reply; the server then holds seq.pending tokens. Raises Late if it
+        has not come by `until` (monotonic s), DraftServerError if it was refused (and not taken)."""
+        held = seq.pending
+        try:
+            reply = self.client.receive_draft(None if until is None else max(0.0, until - time.monotonic()))
+        except DraftServerError:
+            seq.pending = 0
+            raise
+        if reply is None:
+            raise Late()
+        seq.pending = 0
+        seq.sent = held
         return reply
+
+
+class Late(Exception):
+    """A draft did not come within the target's deadline; its request is still in flight."""

@@ -92,19 +92,20 @@ def server_command(pair: PairConfig, server: ServerConfig) -> list[str]:
 
 
 def target_server_command(pair: PairConfig, draft: DraftConfig, name: str, bind: str, connect: str = "",
-                          model_name: str = "", metrics_port: int = 0) -> list[str]:
+                          model_name: str = "", metrics_port: int = 0, insecure: bool = False) -> list[str]:
     """The `starsd target-server` command line (connect empty: it decodes alone)."""
     args = ["target-server", "--bind", bind, "--name", name, *to_flags(pair, skip=DRAFT_SIDE),
             *to_flags(draft, prefix="draft-"), "--served-model-name", model_name or pair.target,
-            "--metrics-port", str(metrics_port)]
+            "--metrics-port", str(metrics_port), *(["--insecure"] if insecure else [])]
     return args + ["--connect", connect] if connect else args
 
 
 def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,
-                 prefix: list[str] = ()) -> Star:
-    """A draft-server process on tcp://host:port (port 0: a free one), once it is ready."""
+                 prefix: list[str] = (), stderr=None) -> Star:
+    """A draft-server process on tcp://host:port (port 0: a free one), once it is ready; its log
+    goes to `stderr` (a file; default: this process's stderr)."""
     address = f"tcp://{host}:{port or free_port()}"
-    proc = spawn(server_command(pair, dataclasses.replace(server, bind=address)), prefix)
+    proc = spawn(server_command(pair, dataclasses.replace(server, bind=address)), prefix, stderr=stderr)
     try:
         read_json_line(proc, "ready", 300)
     except BaseException:

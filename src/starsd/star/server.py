@@ -43,8 +43,7 @@ class DraftServer:
         self.stats = ServerStats()
         self.sessions = Sessions(cfg, drafter, fingerprint, vocab_size, self.stats)
         self.q_in: queue.Queue[Request] = queue.Queue()
-        self.transport = Transport(cfg.bind, self.q_in, self.stats, cfg.queue_limit, self.sessions.heartbeat,
-                                   self._stats_json)
+        self.transport = Transport(cfg, self.q_in, self.stats, self.sessions.heartbeat, self._stats_json)
         self.stopping = self.transport.stopping
         self._deferred: list[Request] = []  # a session's later request waits for its earlier one's batch
         self._stats_cache = "{}"
@@ -145,13 +144,13 @@ class DraftServer:
         msg = req.msg
         try:
             if isinstance(msg, P.Hello):
-                s = self.sessions.open(req.peer, msg)
+                s = self.sessions.open(req.peer, msg, req.user)
                 self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES))
             elif isinstance(msg, P.Bye):
-                self.sessions.free(self.sessions.owned(req.peer, msg.tag), "bye")
+                self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:
                 self.stats.count("requests")
-                return self.sessions.admit(req.peer, msg, req.tensors[0])
+                return self.sessions.admit(req.peer, req.user, msg, req.tensors[0])
         except Refused as r:
             self._refuse(req, r.code, str(r))
         except Exception as e:  # a request that breaks its handling costs only itself

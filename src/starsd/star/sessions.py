@@ -3,7 +3,7 @@
 A handshake (Hello) binds a fresh random tag to the peer's connection; all draft state of that
 target (its draft KV cache, its committed tokens, its settings and random generator) lives under
 the tag, and a request is honoured only from the connection that owns it, so sessions never see or
-disturb each other. A session's `next_step` advances by one per request taken; a refused request
+disturb each other (with keys, the connection's authenticated key owns it too). A session's `next_step` advances by one per request taken; a refused request
 is not taken and leaves it where it was. A session is freed on Bye, on a second Hello from its
 connection, or once neither a request nor a heartbeat has come for session_timeout_s.
 
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from starsd.config import DraftConfig, SamplingConfig, ServerConfig
+from starsd.config import MAX_DRAFT_NODES, DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import Drafter, DraftSequence
+from starsd.models.kv import KV
 from starsd.spec.verify import make_generator
 from starsd.star import protocol as P
 from starsd.star.ahead import Ahead
@@ -42,6 +43,7 @@ class Session:
     tag: int
     peer: bytes  # the ZeroMQ routing id of the target's connection
     name: str
+    user: str = ""  # the target's authenticated public key (star/security.py); "" without keys
     seq: DraftSequence | None = None  # draft state; None until a reset request, or after a failure
     draft: DraftConfig | None = None
     sampling: SamplingConfig | None = None
@@ -64,6 +66,8 @@ class Sessions:
         self._by_tag: dict[int, Session] = {}
         self._by_peer: dict[bytes, int] = {}
         self._pinged: dict[int, float] = {}  # tag -> last heartbeat (monotonic s), written by the IO thread
+        self.column_bytes = KV.bytes_per_column(drafter.model)  # one token of draft KV
+        self.kv_budget = int(cfg.kv_budget_gib * (1 << 30))
 
     def __len__(self) -> int:
         return len(self._by_tag)
@@ -74,7 +78,7 @@ class Sessions:
     def __iter__(self):
         return iter(list(self._by_tag.values()))
 
-    def open(self, peer: bytes, hello: P.Hello) -> Session:
+    def open(self, peer: bytes, hello: P.Hello, user: str = "") -> Session:
         """A new session for this connection (replacing its old one). Raises Refused."""
         if hello.version != P.PROTOCOL_VERSION:
             raise Refused("version", f"protocol version {hello.version} is not supported; "
@@ -88,43 +92,61 @@ class Sessions:
         if len(self._by_tag) >= self.cfg.max_sessions:
             raise Refused("too_many_sessions", f"the draft server holds its maximum of {self.cfg.max_sessions} "
                           "sessions; retry later or use another draft server")
-        s = Session(secrets.randbits(62) + 1, peer, hello.name)
+        s = Session(secrets.randbits(62) + 1, peer, hello.name, user)
         self._by_tag[s.tag] = s
         self._by_peer[peer] = s.tag
         self.stats.count("sessions_opened")
         log.info("session %x opened for %s", s.tag, s.name)
         return s
 
-    def owned(self, peer: bytes, tag: int) -> Session:
-        """The session `tag`, if this connection owns it. Raises Refused."""
+    def owned(self, peer: bytes, user: str, tag: int) -> Session:
+        """The session `tag`, if this connection (and this authenticated key) owns it. Raises Refused."""
         s = self._by_tag.get(tag)
-        if s is None or s.peer != peer:
+        if s is None or s.peer != peer or s.user != user:
             raise Refused("unknown_session", f"no session {tag:x} on this connection; say hello first")
         s.last_seen = time.monotonic()
         return s
 
-    def admit(self, peer: bytes, msg: P.DraftRequest, tokens: torch.Tensor) -> Session:
+    def admit(self, peer: bytes, user: str, msg: P.DraftRequest, tokens: torch.Tensor) -> Session:
         """Check a draft request against its session and apply a reset; the request is taken
         (next_step advances) only if nothing is refused. Raises Refused."""
-        s = self.owned(peer, msg.tag)
+        s = self.owned(peer, user, msg.tag)
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
             raise Refused("bad_tokens", f"token ids must lie in [0, {self.vocab_size})")
+        if msg.reset:
+            s.seq = None  # the old stream's state goes whether or not the new one is admitted
+        elif s.seq is None:
+            raise Refused("reset_required", "this session has no draft state: send a reset request")
+        elif msg.step != s.next_step:
+            raise Refused("bad_step", f"expected step {s.next_step}, got {msg.step}")
+        length = tokens.shape[0] + (0 if msg.reset else len(s.seq.tokens) + len(s.carry))
+        if length > self.cfg.max_context:
+            s.seq = None
+            raise Refused("context_full", f"the session would exceed {self.cfg.max_context} tokens")
+        self._check_memory(s, length)
         if msg.reset:
             s.draft = msg.draft
             s.sampling = msg.sampling
             s.generator = make_generator(msg.sampling.seed + 1, self.drafter.device)
             s.seq = self.drafter.start(tokens.tolist())
-            s.next_step = msg.step
             s.carry, s.last_chain, s.ahead = [], [], None
-        elif s.seq is None:
-            raise Refused("reset_required", "this session has no draft state: send a reset request")
-        if len(s.seq.tokens) + (0 if msg.reset else len(s.carry) + tokens.shape[0]) > self.cfg.max_context:
-            s.seq = None
-            raise Refused("context_full", f"the session would exceed {self.cfg.max_context} tokens")
-        if msg.step != s.next_step:
-            raise Refused("bad_step", f"expected step {s.next_step}, got {msg.step}")
-        s.next_step += 1
+        s.next_step = msg.step + 1
         return s
+
+    def kv_bytes(self, skip: Session | None = None) -> int:
+        """Draft KV memory the sessions hold (their allocations), but for `skip`'s."""
+        return sum(x.seq.kv.capacity * self.column_bytes for x in self._by_tag.values()
+                   if x.seq is not None and x is not skip)
+
+    def _check_memory(self, s: Session, length: int) -> None:
+        """Refuse (kv_full) a request whose session would take the draft KV past its budget: its
+        tokens, a draft tree below them, and an allocation that grows by doubling."""
+        need = max(2 * length, length + MAX_DRAFT_NODES) * self.column_bytes
+        if s.seq is not None:
+            need = max(need, s.seq.kv.capacity * self.column_bytes)
+        if self.kv_bytes(skip=s) + need > self.kv_budget:
+            raise Refused("kv_full", f"the draft KV budget ({self.cfg.kv_budget_gib:g} GiB) is taken by other "
+                          "sessions; go on without drafts and retry later")
 
     def heartbeat(self, tag: int) -> None:
         """A Ping with this tag came in (IO thread): the target is alive. The tag is the proof."""

@@ -21,6 +21,7 @@ from starsd.models.pair import Pair
 from starsd.spec.decode import speculative_steps, target_only_steps
 from starsd.spec.depth import DepthPolicy
 from starsd.star import protocol as P
+from starsd.star import security
 from starsd.star.client import DraftClient, RemoteDrafter
 from starsd.star.textstream import TextStream
 
@@ -29,10 +30,12 @@ log = logging.getLogger("starsd.target")
 
 class TargetServer:
     def __init__(self, pair: Pair, bind: str, client: DraftClient | None, draft: DraftConfig, name: str,
-                 model: str):
-        """client None: decode alone (target-only serving, the baseline)."""
+                 model: str, insecure: bool = False):
+        """client None: decode alone (target-only serving, the baseline). A target server takes no
+        keys yet: it listens on loopback only, unless `insecure` (star/security.py)."""
         self.pair = pair
         self.bind = bind
+        self.insecure = insecure
         self.client = client
         self.draft = draft
         self.drafter = RemoteDrafter(client) if client else None
@@ -53,8 +56,9 @@ class TargetServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         try:
+            security.guard_server(self.ctx, self.sock, self.bind, insecure=self.insecure)
             self.sock.bind(self.bind)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, security.SecurityError) as e:
             raise RuntimeError(f"cannot bind {self.bind}: {e}") from None
         if on_ready:
             on_ready()

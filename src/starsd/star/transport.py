@@ -19,7 +19,9 @@ from typing import Callable
 
 import zmq
 
+from starsd.config import ServerConfig
 from starsd.star import protocol as P
+from starsd.star import security
 from starsd.star.stats import ServerStats
 
 log = logging.getLogger("starsd.transport")
@@ -33,21 +35,24 @@ class Request:
     msg: object
     tensors: tuple
     received: float  # time.perf_counter() when the IO thread took it off the socket
+    user: str = ""  # the peer's authenticated public key (star/security.py); "" without keys
 
 
 class Transport:
-    def __init__(self, bind: str, q_in: queue.Queue, stats: ServerStats, queue_limit: int,
+    def __init__(self, cfg: ServerConfig, q_in: queue.Queue, stats: ServerStats,
                  on_ping: Callable[[int], None], stats_json: Callable[[], str]):
-        self.bind = bind
+        self.cfg = cfg
+        self.bind = cfg.bind
         self.q_in = q_in
         self.stats = stats
-        self.queue_limit = queue_limit
+        self.queue_limit = cfg.queue_limit
         self.on_ping = on_ping  # a live session's heartbeat
         self.stats_json = stats_json  # the answer to a StatsRequest
         self.ctx = zmq.Context()
         self.stopping = threading.Event()
         self._ready = threading.Event()
         self._failure: str | None = None
+        self._auth = None  # the CURVE authenticator's thread, when the server has keys
         self._outbox_addr = f"inproc://outbox-{id(self)}"
         self._thread = threading.Thread(target=self._run, name="starsd-io", daemon=True)
 
@@ -66,6 +71,8 @@ class Transport:
         """Stop the IO thread and close the context (after every Outbox is closed)."""
         self.stopping.set()
         self._thread.join(timeout=2)
+        if self._auth:
+            self._auth.stop()
         self.ctx.term()
 
     def _run(self) -> None:
@@ -73,10 +80,12 @@ class Transport:
             router = self.ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # larger frames drop the connection
+            self._auth = security.guard_server(self.ctx, router, self.bind, self.cfg.curve_key,
+                                               self.cfg.curve_clients, self.cfg.insecure)
             router.bind(self.bind)
             inbox = self.ctx.socket(zmq.PULL)
             inbox.bind(self._outbox_addr)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, security.SecurityError) as e:
             self._failure = f"cannot bind {self.bind}: {e}"
             self.stopping.set()
             self._ready.set()
@@ -126,7 +135,7 @@ class Transport:
             tag = 0 if isinstance(msg, P.Hello) else msg.tag
             step = msg.step if isinstance(msg, P.DraftRequest) else -1
             return answer(P.Error("busy", "draft server queue is full; retry later", tag, step))
-        self.q_in.put(Request(peer, msg, tensors, time.perf_counter()))
+        self.q_in.put(Request(peer, msg, tensors, time.perf_counter(), security.peer_key(frames[1])))
 
 
 class Outbox:

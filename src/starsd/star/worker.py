@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from starsd.config import DraftConfig, PairConfig, SamplingConfig
+from starsd.config import ClientKeys, DraftConfig, PairConfig, SamplingConfig
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
@@ -21,16 +21,18 @@ from starsd.star.client import DraftClient, RemoteDrafter, Timing
 
 def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_tokens: int, sampling: SamplingConfig,
         draft: DraftConfig, *, name: str = "target", as_json: bool = False, no_spec: bool = False,
-        ignore_eos: bool = False, wait_go: bool = False, timeout_s: float = 60.0) -> int:
+        ignore_eos: bool = False, wait_go: bool = False, timeout_s: float = 60.0,
+        keys: ClientKeys = ClientKeys()) -> int:
     """Decode `prompts` one after another. ignore_eos: always decode max_new_tokens (load tests).
     wait_go: after the handshake, print a ready line and wait for a line on stdin (a launcher
     starts every target's decoding at the same moment)."""
     pair = Pair.load(pair_cfg.target_model(), None, pair_cfg.cache, pair_cfg.threads)
     eos = frozenset() if ignore_eos else pair.eos_ids
-    client = DraftClient(connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)), name, timeout_s)
+    client = DraftClient(connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)), name, timeout_s,
+                         keys=keys)
     try:
         if not no_spec:
-            client.hello()
+            client.try_hello()
         if wait_go:
             print(json.dumps({"ready": name}), flush=True)
             sys.stdin.readline()

@@ -1,0 +1,107 @@
+"""Who may talk to a StarSD socket: CurveZMQ keys, and the rule for listening without them.
+
+`starsd keys DIR NAME` writes a key pair with pyzmq's zmq.auth: DIR/NAME.key holds the public key
+(give it to the peers) and DIR/NAME.key_secret both keys (keep it). A server given its secret key
+and a directory of allowed public keys runs CURVE: ZeroMQ's authentication handler (ZAP) checks
+each peer's key during the handshake, so a peer without an allowed key never completes it and gets
+no message at all. Every message then carries its peer's public key (the ZAP "User-Id"), and a
+session belongs to that key as well as to the connection. A client needs its own key pair and the
+server's public key.
+
+Without keys a server listens only on loopback (127.0.0.0/8, ::1, localhost, ipc://, inproc://):
+binding any other address unencrypted and unauthenticated takes an explicit `insecure`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from starsd.errors import StarsdError
+
+
+class SecurityError(StarsdError, ValueError):
+    """Keys that cannot be used, or an address that may not be bound without them."""
+
+
+def make_keys(directory: str, name: str) -> tuple[str, str]:
+    """Write a new key pair; returns the paths of the public and the secret key file."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    return public, secret
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ZeroMQ address can be reached from this machine only."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name: could be reachable from anywhere
+        return False
+
+
+def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise SecurityError(f"cannot read the key file {path}: {e}") from e
+    if secret and secret_key is None:
+        raise SecurityError(f"{path} holds no secret key: give the .key_secret file that `starsd keys` wrote")
+    return public, secret_key
+
+
+def guard_server(ctx: zmq.Context, sock: zmq.Socket, bind: str, key: str = "", allowed: str = "",
+                 insecure: bool = False) -> ThreadAuthenticator | None:
+    """Set up `sock` (before it binds `bind`): CURVE with the secret `key` and the public keys in the
+    directory `allowed`, or no keys on a loopback address (or with `insecure`). Returns the running
+    authenticator, to be stopped before the context is closed."""
+    if not key:
+        if allowed:
+            raise SecurityError("allowed client keys were given without the server's own secret key")
+        if not (insecure or is_loopback(bind)):
+            raise SecurityError(f"{bind} is not a loopback address: give the server a key pair and the allowed "
+                                "client keys (starsd keys), or pass --insecure to listen without authentication")
+        return None
+    if not allowed or not Path(allowed).is_dir():
+        raise SecurityError(f"a directory of allowed client public keys is needed with a server key, not {allowed!r}")
+    public, secret = _load(key, secret=True)
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=allowed)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    return auth
+
+
+def guard_client(sock: zmq.Socket, key: str = "", server_key: str = "") -> None:
+    """Set up `sock` (before it connects) to authenticate with the secret `key` to the server whose
+    public key is in `server_key`; nothing without keys."""
+    if not key and not server_key:
+        return
+    if not (key and server_key):
+        raise SecurityError("a client needs both its own secret key and the server's public key")
+    public, secret = _load(key, secret=True)
+    server_public, _ = _load(server_key, secret=False)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
+
+
+def peer_key(frame: zmq.Frame) -> str:
+    """The authenticated public key (Z85) of the peer that sent `frame`; "" without CURVE."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, KeyError):
+        return ""

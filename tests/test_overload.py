@@ -1,0 +1,169 @@
+"""Bounds a draft server keeps under load, and what a target does past them: the draft KV budget, and
+sessions of killed or frozen targets reclaimed without memory growth (real processes)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tiny
+from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
+from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.pair import Pair
+from starsd.spec.decode import speculative, target_only
+from starsd.star.client import DraftClient, DraftServerError, RemoteDrafter
+from starsd.star.launch import free_port, start_server
+from starsd.star.server import DraftServer
+
+FP = "f" * 64
+CHAIN = (DraftConfig(depth=3, min_path_prob=0.0, adaptive=False), SamplingConfig())
+KIB = 1 / (1 << 20)  # in GiB
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    target, draft = tiny.save_pair(tmp_path_factory.mktemp("overload"))
+    return {"target": target, "draft": draft}
+
+
+@pytest.fixture
+def budget_server(tiny_drafters):
+    # The tiny draft holds 512 bytes of KV per token. A 40-token session is counted at
+    # (40 + a 256-node draft) x 512 B = 148 KiB until it holds more; two do not fit in 180 KiB.
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = DraftServer(tiny_drafters["good"], FP, 128, ServerConfig(bind=address, kv_budget_gib=180 * KIB))
+    thread = server.start()
+    yield server, address
+    server.stop()
+    thread.join(timeout=5)
+
+
+def test_kv_budget_refuses_at_once_and_frees_with_the_session(budget_server):
+    server, address = budget_server
+    a = DraftClient(address, FP, "a", timeout_s=10, heartbeat_s=0)
+    b = DraftClient(address, FP, "b", timeout_s=10, heartbeat_s=0)
+    a.hello()
+    b.hello()
+    prompt = list(range(1, 41))
+    a.draft(prompt, 5, *CHAIN)
+    t0 = time.perf_counter()
+    with pytest.raises(DraftServerError, match="kv_full"):
+        b.draft(prompt, 5, *CHAIN)
+    assert time.perf_counter() - t0 < 1.0  # refused at once, not after a queue
+    assert server.stats.errors.get("kv_full") == 1
+    a.draft([7], 5)  # the admitted session goes on
+    a.close()
+    deadline = time.monotonic() + 5
+    while len(server.sessions) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reply, tensors = b.draft(prompt, 5, *CHAIN)  # room again
+    assert len(tensors[0]) == 3
+    b.close()
+
+
+def test_target_refused_for_room_decodes_alone_losslessly(dirs):
+    """A server whose KV budget has no room for this stream: the target decodes alone, output unchanged."""
+    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
+    star = start_server(pair_cfg, ServerConfig(kv_budget_gib=64 * KIB), port=free_port())
+    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+    client = DraftClient(star.address, vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "t")
+    try:
+        assert client.try_hello()
+        drafter = RemoteDrafter(client)
+        prompt = list(range(3, 60))
+        gen = speculative(local.target, drafter, prompt, 40, CHAIN[0], CHAIN[1])
+        assert gen.token_ids == target_only(local.target, prompt, 40, CHAIN[1]).token_ids
+        assert not any(gen.depths) and drafter.timing.refused >= 1
+    finally:
+        client.close()
+        star.close()
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+
+def cycle(address: str, fingerprint: str, i: int, bye: bool) -> None:
+    c = DraftClient(address, fingerprint, f"cycle-{i}", timeout_s=10, heartbeat_s=0)
+    c.hello()
+    c.draft([5 + i % 50, 6, 7, 8] * 8, 5, *CHAIN)
+    if bye:
+        c.close()
+    else:  # a target that vanished: no Bye, its socket just closes
+        c.sock.close(0)
+
+
+def test_thousand_sessions_leave_no_memory_behind(dirs):
+    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
+    star = start_server(pair_cfg, ServerConfig(session_timeout_s=1.0), port=free_port())
+    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+    fingerprint = vocab_fingerprint(local.tokenizer, logits_width(local.target.model))
+    pid = star.server.pid
+    try:
+        for i in range(200):  # warm up: allocator pools, first-use caches
+            cycle(star.address, fingerprint, i, bye=i % 2 == 0)
+        wait_sessions(star.address, 0, 20)
+        before = rss_kib(pid)
+        for i in range(1000):
+            cycle(star.address, fingerprint, i, bye=i % 2 == 0)  # half say Bye, half vanish
+        stats = wait_sessions(star.address, 0, 20)  # the vanished ones' sessions time out
+        after = rss_kib(pid)
+        assert stats["sessions_open"] == 0 and stats["sessions_opened"] == 1200
+        print(f"server RSS {before / 1024:.1f} -> {after / 1024:.1f} MiB over 1000 sessions")
+        assert after - before < 16 * 1024, f"the server grew by {(after - before) / 1024:.1f} MiB over 1000 sessions"
+    finally:
+        star.close()
+
+
+def wait_sessions(address: str, n: int, within_s: float) -> dict:
+    """The server's stats once it holds n sessions (or after within_s)."""
+    c = DraftClient(address, "", "stats", timeout_s=10, heartbeat_s=0)
+    deadline = time.monotonic() + within_s
+    try:
+        while (stats := c.stats())["sessions_open"] != n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return stats
+    finally:
+        c.close()
+
+
+FROZEN = """
+import sys, time
+from starsd.star.client import DraftClient
+c = DraftClient(sys.argv[1], sys.argv[2], "frozen", heartbeat_s=0.1)
+c.hello()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_frozen_target_session_is_reclaimed(dirs):
+    """A target process that stops (SIGSTOP: its heartbeat stops too) loses its session; one that
+    merely computes (heartbeat going) keeps it."""
+    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
+    star = start_server(pair_cfg, ServerConfig(session_timeout_s=1.5), port=free_port())
+    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+    fingerprint = vocab_fingerprint(local.tokenizer, logits_width(local.target.model))
+    procs = [subprocess.Popen([sys.executable, "-c", FROZEN, star.address, fingerprint], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    stats = DraftClient(star.address, "", "stats", timeout_s=10, heartbeat_s=0)
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        assert stats.stats()["sessions_open"] == 2
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert wait_sessions(star.address, 1, 20)["sessions_open"] == 1  # the frozen one's goes; the live one stays
+        assert time.monotonic() - t0 > 1.0  # not before its timeout
+        time.sleep(2.0)
+        assert stats.stats()["sessions_open"] == 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        stats.close()
+        star.close()
