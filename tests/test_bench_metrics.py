@@ -48,6 +48,8 @@ def test_point_counts_only_the_window_and_defines_latency():
     assert pt["system_tokens_per_s"] == pytest.approx(4.0)
     assert pt["per_target_tokens_per_s"] == pytest.approx(8 / 2 / 3)
     assert pt["per_target_min_tokens_per_s"] == 0.0  # the third target never finished a step
+    assert pt["jain_index"] == pytest.approx(8 ** 2 / (3 * (3 ** 2 + 5 ** 2)))  # tokens 3, 5 and 0
+    assert metrics.jain([2.0, 2.0, 2.0]) == 1.0 and metrics.jain([6.0, 0.0, 0.0]) == pytest.approx(1 / 3)
     lat = sorted([500.0] * 2 + [1000.0] + [500.0] * 5)  # per token: 1000/2, 1000/1, 2500/5
     assert pt["latency_mean_ms"] == pytest.approx(sum(lat) / len(lat))
     assert pt["latency_p50_ms"] == 500.0 and pt["latency_p99_ms"] == 1000.0

@@ -118,3 +118,44 @@ def test_slow_draft_server_costs_a_target_almost_no_waiting(dirs):
         client.close()
         proxy.stop()
         star.close()
+
+
+def test_a_draft_in_flight_when_the_server_dies_is_not_awaited_forever(dirs):
+    """A draft that missed its deadline stays in flight. If its server dies, the next step must
+    notice (heartbeat), not wait for that reply step after step; and reconnect once a server is back."""
+    from starsd.emulate.delay_proxy import DelayProxy
+
+    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
+    port = free_port()
+    star = start_server(pair_cfg, ServerConfig(), port=port)
+    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port), delay_ms=100).start()
+    client = DraftClient(f"tcp://127.0.0.1:{proxy.port}",
+                         vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "t")
+    cfg = DraftConfig(depth=4)
+    restarted = None
+    try:
+        client.hello()
+        drafter = RemoteDrafter(client)
+        seq = drafter.start([5, 17, 33, 2], cfg, GREEDY, 4)
+        assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=1)) == 0 and seq.pending
+        star.server.kill()
+        star.server.wait()
+        deadline = time.monotonic() + 5
+        while client.reachable() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(drafter.propose(seq, [7], cfg, GREEDY, max_depth=4, deadline_ms=1)) == 0
+        assert drafter.down and drafter.outages == 1 and not seq.pending
+        restarted = start_server(pair_cfg, ServerConfig(), port=port)
+        deadline = time.monotonic() + 15
+        tree = None
+        while time.monotonic() < deadline and not (tree is not None and len(tree)):
+            time.sleep(0.2)
+            tree = drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=2000)
+        assert tree is not None and len(tree) > 0 and not drafter.down  # a new session, from the whole prefix
+    finally:
+        client.close()
+        proxy.stop()
+        star.close()
+        if restarted:
+            restarted.close()

@@ -105,6 +105,7 @@ def point(its: list[Iteration], n: int, w0: float, w1: float, timeline: list | N
         "system_tokens_per_s": sum(by_target.values()) / seconds,
         "per_target_tokens_per_s": sum(by_target.values()) / seconds / n,
         "per_target_min_tokens_per_s": min(by_target.get(t, 0) for t in _names(its, n)) / seconds,
+        "jain_index": jain([by_target.get(t, 0) for t in _names(its, n)]),
         "tokens_per_iteration": statistics.fmean(it.tokens for it in inside),
         "drafted_share": len(drafted) / len(inside),  # steps that verified a draft
         "t_gamma_ms": statistics.fmean(it.ms for it in inside),
@@ -126,6 +127,13 @@ def point(its: list[Iteration], n: int, w0: float, w1: float, timeline: list | N
         out["utilization_over_time"] = busy_over_time(timeline, w0, w1)
         out["batch_times"] = batch_times(timeline, w0, w1)
     return out
+
+
+def jain(xs: list[float]) -> float:
+    """Jain's fairness index of the targets' throughputs: (sum x)^2 / (n sum x^2), 1 when all are
+    equal, 1/n when one target gets everything."""
+    squares = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * squares) if squares else 1.0
 
 
 def _names(its: list[Iteration], n: int) -> list[str]:

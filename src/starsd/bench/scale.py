@@ -309,6 +309,9 @@ def show(result: dict, json_out: str, extra_files: dict[str, str] | None = None)
         facts[f"{mode} server"] = (f"N_full {_num(nf['measured'])} measured, {_num(nf['predicted'])} predicted; "
                                    f"model error {c['throughput_max_error']:.0%} at most, simulator "
                                    f"{c['simulator_max_error']:.0%}; utilisation {_pct(last)} at N={ns[-1]}")
+    fairest = {mode: at[mode, ns[-1]]["jain_index"] for mode in modes if "jain_index" in at.get((mode, ns[-1]), {})}
+    if fairest:
+        facts[f"fairness at N={ns[-1]}"] = "Jain's index " + ", ".join(f"{m} {j:.3f}" for m, j in fairest.items())
     if "batched_vs_serial" in result["checks"]:
         ratio = result["checks"]["batched_vs_serial"]["saturated_throughput_ratio"]
         facts["batched vs serial"] = f"{ratio:.2f}x the saturated system throughput"

@@ -242,6 +242,7 @@ class RemoteSequence:
     sent: int = 0  # how many of them the draft server holds; 0: the next request is a reset
     pending: int = 0  # a request is in flight (its reply not read yet): the server will hold this many
     # tokens once it is taken. Set by start()'s early reset and by a draft that missed its deadline.
+    pending_since: float = 0.0  # when that request went out (monotonic s)
     alone_until: float = 0.0  # no drafts before this (monotonic s): the server refused this stream for want of room
 
 
@@ -320,6 +321,7 @@ class RemoteDrafter:
         if cfg is not None and max_depth > 0 and not self.down and self.client.tag:
             self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling)
             seq.pending = len(seq.tokens)
+            seq.pending_since = time.monotonic()
         return seq
 
     def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
@@ -395,6 +397,7 @@ class RemoteDrafter:
         else:
             self.client.send_draft(seq.tokens[seq.sent:], budget)
         seq.pending = len(seq.tokens)
+        seq.pending_since = time.monotonic()
         return self._settle(seq, until)
 
     def _settle(self, seq: RemoteSequence, until: float | None):
@@ -406,7 +409,11 @@ class RemoteDrafter:
         except DraftServerError:
             seq.pending = 0
             raise
-        if reply is None:
+        if reply is None:  # a server that died with the request would leave it in flight for good
+            if not self.client.reachable():
+                raise DraftServerError("unreachable", "the draft server answers no heartbeat")
+            if time.monotonic() - seq.pending_since > self.client.timeout_s:
+                raise DraftServerError("timeout", f"no answer within {self.client.timeout_s:.0f} s")
             raise Late()
         seq.pending = 0
         seq.sent = held
