@@ -413,6 +413,7 @@ BENCHES = {  # name: (help, module with add_args and main)
     "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",
                   "starsd.bench.multihost"),
     "memory": ("peak RSS of co-located vs remote-draft targets; instances that fit a budget", "starsd.bench.memory"),
+    "fuzz": ("bad inputs to protocol.decode and to a live draft server; honest sessions unchanged", "starsd.bench.fuzz"),
 }
 
 

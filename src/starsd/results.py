@@ -82,6 +82,19 @@ def bar_plot(path: str | Path, labels: list[str], values: list[float], ylabel: s
     _save(fig, path)
 
 
+def bar_panels(path: str | Path, panels: list[dict]) -> None:
+    """Bar charts side by side, each bar labelled with its value; a panel is {"labels", "values",
+    "ylabel", "title"}. Many bars: the labels turn sideways."""
+    fig, axes = _pyplot().subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        bars = ax.bar(panel["labels"], panel["values"], color="#1f77b4")
+        ax.bar_label(bars, fontsize=7)
+        ax.tick_params(axis="x", labelrotation=60 if len(panel["labels"]) > 4 else 0, labelsize=8)
+        ax.set_ylabel(panel["ylabel"])
+        ax.set_title(panel["title"], fontsize=10)
+    _save(fig, path)
+
+
 # ------------------------------------------------------------------------------------- terminal
 class TimeLeft(ProgressColumn):
     """The steps left times one step's seconds (`step_s`: as given until a step is done, then the mean

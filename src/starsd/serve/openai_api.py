@@ -82,6 +82,11 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _check_length(chars: int, param: str) -> None:
+    if chars > P.MAX_PROMPT_CHARS:
+        raise ApiError(400, f"the prompt has {chars} characters, more than {P.MAX_PROMPT_CHARS}", param)
+
+
 class CompletionRequest(_Common):
     prompt: str | list[str]
 
@@ -89,6 +94,7 @@ class CompletionRequest(_Common):
         super().check()
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ApiError(400, "one prompt per request (a list of prompts is n > 1)", "prompt")
+        _check_length(len(self.prompt if isinstance(self.prompt, str) else self.prompt[0]), "prompt")
 
     def generate(self, stream_id: int, default_max: int) -> P.Generate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -121,11 +127,15 @@ class ChatRequest(_Common):
 
     def check(self) -> None:
         super().check()
+        if len(self.messages) > P.MAX_MESSAGES:
+            raise ApiError(400, f"at most {P.MAX_MESSAGES} messages per request", "messages")
         for m in self.messages:
             if m.role not in ("system", "user", "assistant"):
                 raise ApiError(400, f"message role {m.role!r} is not supported (system, user, assistant)", "messages")
             if m.model_extra:
                 raise ApiError(400, f"message fields {sorted(m.model_extra)} are not supported", "messages")
+
+        _check_length(sum(len(m.text()) for m in self.messages), "messages")
 
     def generate(self, stream_id: int, default_max: int) -> P.Generate:
         messages = tuple(P.Message(m.role, m.text()) for m in self.messages)

@@ -27,7 +27,7 @@ from starsd.star import security
 log = logging.getLogger("starsd.client")
 
 # Refusals after which a target decodes alone and asks again later: the server is absent, or full.
-GO_ON_ALONE = ("busy", "unreachable", "timeout", "too_many_sessions", "kv_full")
+GO_ON_ALONE = ("busy", "unreachable", "timeout", "too_many_sessions", "kv_full", "bad_reply")
 
 
 class DraftServerError(StarsdError, RuntimeError):
@@ -188,7 +188,10 @@ class DraftClient:
                     raise DraftServerError("unreachable", f"{self.address} answered no heartbeat for "
                                                           f"{self._heartbeat.silent_s():.1f} s")
                 continue
-            msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
+            try:
+                msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
+            except P.ProtocolError as e:  # a server that speaks nonsense is no server
+                raise DraftServerError("bad_reply", f"malformed message from {self.address}: {e}") from None
             if isinstance(msg, P.Error):
                 if step >= 0 and msg.step not in (-1, step):
                     continue
@@ -346,7 +349,7 @@ class RemoteDrafter:
                 self.timing.add((time.perf_counter() - t0) * 1e3)
                 return DraftTree.empty()
             except DraftServerError as e:
-                if e.code in ("unreachable", "timeout"):
+                if e.code in ("unreachable", "timeout", "bad_reply"):
                     self._lost(seq)
                 if e.code in ("kv_full", "context_full"):
                     seq.sent = 0  # refused with the server's state of it gone: the next request is a reset

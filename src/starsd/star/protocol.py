@@ -25,6 +25,7 @@ import enum
 import math
 import re
 import warnings
+from typing import Annotated
 
 import msgspec
 import torch
@@ -43,6 +44,13 @@ MAX_FRAME_BYTES = 64 << 20  # any one frame; the server's socket refuses larger 
 MAX_PROMPT_CHARS = 1 << 20  # a Generate's prompt text, or all its messages together
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1 << 14  # a Generate's chat messages: each costs template tokens, so more fit no context
+# Every variable-length part of a header is bounded in its type, so that msgspec refuses an
+# oversized one before building it: a header of millions of tiny items (tensor specs, a shape's
+# dimensions, messages) used to cost the IO thread seconds and gigabytes, and came back quoted
+# in an Error megabytes long.
+MAX_TENSORS = 3  # a draft reply's tokens, parents and q
+MAX_DTYPE_CHARS = 16
 
 # Received frames are read-only buffers; tensors view them without copying and are never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -75,8 +83,11 @@ class MsgType(enum.IntEnum):
 
 
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
-    dtype: str
-    shape: tuple[int, ...]
+    dtype: Annotated[str, msgspec.Meta(max_length=MAX_DTYPE_CHARS)]
+    shape: Annotated[tuple[int, ...], msgspec.Meta(max_length=2)]
+
+
+TensorSpecs = Annotated[tuple[TensorSpec, ...], msgspec.Meta(max_length=MAX_TENSORS)]
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -98,7 +109,7 @@ class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
     draft: DraftConfig | None  # the draft's shape, required with reset (a map, by field name)
     sampling: SamplingConfig | None  # the target's sampling law, required with reset (ditto)
     budget: int  # tokens the target may still emit: no point drafting deeper than budget - 1
-    tensors: tuple[TensorSpec, ...]  # tokens int32 [m]; optionally hidden states [m, H]
+    tensors: TensorSpecs  # tokens int32 [m]; optionally hidden states [m, H]
 
 
 class DraftReply(msgspec.Struct, array_like=True, frozen=True):
@@ -107,7 +118,7 @@ class DraftReply(msgspec.Struct, array_like=True, frozen=True):
     queue_ms: float  # time the request waited in Q_in
     service_ms: float  # time the draft model spent on this request's batch
     batch_size: int  # sessions drafted together in that batch
-    tensors: tuple[TensorSpec, ...]  # tokens int32 [n], parents int32 [n]; q float32 [n, V] if sampled
+    tensors: TensorSpecs  # tokens int32 [n], parents int32 [n]; q float32 [n, V] if sampled
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):
@@ -165,10 +176,10 @@ class Generate(msgspec.Struct, array_like=True, frozen=True):
 
     id: int  # chosen by the sender; every Output and a Cancel carry it
     prompt: str | None
-    messages: tuple[Message, ...] | None
+    messages: Annotated[tuple[Message, ...], msgspec.Meta(max_length=MAX_MESSAGES)] | None
     max_tokens: int
     sampling: SamplingConfig
-    stop: tuple[str, ...] = ()  # the text ends before the first of these
+    stop: Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_STOPS)] = ()  # the text ends before the first of these
     ignore_eos: bool = False  # always decode max_tokens (load tests)
 
 
@@ -199,10 +210,15 @@ STRUCTS: dict[MsgType, type] = {
 TYPES = {cls: t for t, cls in STRUCTS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in STRUCTS.items()}
-# A ValidationError's path into a message's settings fields, e.g. "- at `$[3]`" or "`$[4].top_p`".
-_SETTINGS_AT = {kind: re.compile(r"at `\$\[(%s)\]" % "|".join(str(STRUCTS[kind].__struct_fields__.index(f))
-                                                                for f in fields))
-                for kind, fields in ((MsgType.DRAFT_REQUEST, ("draft", "sampling")), (MsgType.GENERATE, ("sampling",)))}
+# The code of a ValidationError in these fields (in any other: bad_header): settings that fail
+# DraftConfig's or SamplingConfig's checks, tensor specs past their bounds, too many stop strings or
+# messages (what `validate` would say of them).
+_FIELD_CODES = {
+    MsgType.DRAFT_REQUEST: {"draft": "bad_settings", "sampling": "bad_settings", "tensors": "bad_tensor"},
+    MsgType.DRAFT_REPLY: {"tensors": "bad_tensor"},
+    MsgType.GENERATE: {"sampling": "bad_settings", "messages": "bad_request", "stop": "bad_request"},
+}
+_FIELD_AT = re.compile(r"at `\$\[(\d+)\]")  # a ValidationError's path into a header, e.g. "at `$[4].top_p`"
 _DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -236,12 +252,11 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
     except ValueError:
         raise ProtocolError("unknown_type", f"unknown message type {head[0]}") from None
     try:
-        msg = _DECODERS[kind].decode(head[1:])
-    except msgspec.ValidationError as e:  # settings that fail DraftConfig's / SamplingConfig's checks
-        settings = _SETTINGS_AT.get(kind)
-        code = "bad_settings" if settings and settings.search(str(e)) else "bad_header"
-        raise ProtocolError(code, f"malformed {kind.name} header: {e}") from None
-    except msgspec.DecodeError as e:
+        msg = _DECODERS[kind].decode(memoryview(head)[1:])  # no copy of the header
+    except msgspec.ValidationError as e:
+        raise ProtocolError(_validation_code(kind, e), f"malformed {kind.name} header: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: msgpack nested deeper than
+        # msgspec follows (a thousand levels, less the caller's stack), in a field it skips or checks
         raise ProtocolError("bad_header", f"malformed {kind.name} header: {e}") from None
     tensor_specs = msg.tensors if isinstance(msg, (DraftRequest, DraftReply)) else ()
     if len(frames) - 1 != len(tensor_specs):
@@ -249,6 +264,14 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
     tensors = tuple(_tensor(s, f) for s, f in zip(tensor_specs, frames[1:]))
     validate(msg, tensors)
     return msg, tensors
+
+
+def _validation_code(kind: MsgType, error: msgspec.ValidationError) -> str:
+    at = _FIELD_AT.search(str(error))
+    fields = STRUCTS[kind].__struct_fields__
+    if at is None or int(at.group(1)) >= len(fields):
+        return "bad_header"
+    return _FIELD_CODES.get(kind, {}).get(fields[int(at.group(1))], "bad_header")
 
 
 def _bytes(frame) -> bytes | memoryview:
