@@ -23,7 +23,9 @@ The same arithmetic bounds the wait: a draft d deep pays only while it arrives w
 
     deadline(d) = (1 + accepted(d)) * verify_ms(1) - verify_ms(d + 1)
 
-(rate(d) >= rate(0) solved for draft_ms). A target gives each draft that long; one that misses it
+(rate(d) >= rate(0) solved for draft_ms). A target gives each draft that long, and at least one
+pass of decoding alone (so that a try of a depth that does not pay yet still measures the round
+trip instead of its own deadline); one that misses it
 is decoded alone (`missed`), and the policy then decodes alone for `explore` steps, twice as long
 after each further miss in a row, before it asks again. So a draft server that is alive but slow or
 overloaded costs a target at most one bounded wait per pause, and never its own decoding speed.
@@ -188,16 +190,18 @@ class DepthPolicy:
         return best
 
     def deadline_ms(self, d: int) -> float:
-        """How long a draft d deep may take and still beat decoding alone. A depth chosen to explore
-        may not pay at all: it gets the time it is expected to take, up to one pass of decoding alone."""
+        """How long a draft d deep may take and still beat decoding alone, and never less than one pass
+        of decoding alone: a depth tried to explore may not pay at all, and its try must last long
+        enough to measure a round trip (a shorter wait would only ever measure itself)."""
         gain = (1.0 + self.acceptance.expected(d)) * self.verify_ms(1) - self.verify_ms(d + 1)
-        return max(gain, min(self.draft_ms(d), self.verify_ms(1)), 1.0)
+        return max(gain, self.verify_ms(1), 1.0)
 
     def prefill(self, ms: float) -> None:
         """The target's prefill took `ms`: until a one-token pass is measured, its cost is taken to
-        be at most that (a first deadline that trusts the draft server as long as the prefill took)."""
+        be that, or the prior if more (a first deadline that trusts the draft server at least as
+        long as the prefill took)."""
         if not self.verify_ms.values:
-            self.verify_ms.prior = ms
+            self.verify_ms.prior = max(self.verify_ms.prior, ms)
 
     def missed(self, depth: int, waited_ms: float) -> None:
         """A draft `depth` deep did not come within its deadline: the step decoded alone. The wait

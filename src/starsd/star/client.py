@@ -81,8 +81,21 @@ class DraftClient:
         return connect(self.ctx, self.address, self.keys)
 
     def hello(self, timeout_s: float | None = None) -> P.Welcome:
+        self.send_hello()
+        return self.receive_welcome(timeout_s=timeout_s)
+
+    def send_hello(self) -> None:
+        """The first half of hello(): receive_welcome() must come before any other request."""
         self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
-        welcome, _ = self._receive(P.Welcome, timeout_s=timeout_s)
+
+    def receive_welcome(self, timeout_s: float | None = None, wait_s: float | None = None) -> P.Welcome | None:
+        """The second half of hello(): the session is open once its Welcome comes. With `wait_s`,
+        None if it has not come within that long (the Hello is still in flight)."""
+        got = self._receive(P.Welcome, timeout_s=timeout_s,
+                            until=None if wait_s is None else time.monotonic() + wait_s)
+        if got is None:
+            return None
+        welcome = got[0]
         self.tag = welcome.tag
         if self.heartbeat_s > 0:
             if self._heartbeat:
@@ -108,13 +121,13 @@ class DraftClient:
         """Whether the server answered a ping within dead_after_s (True without a heartbeat)."""
         return self._heartbeat is None or self._heartbeat.silent_s() <= self.dead_after_s
 
-    def reconnect(self, timeout_s: float) -> P.Welcome:
-        """A fresh socket and a new session (the old socket's queued messages are dropped, so no
-        stale request reaches a restarted server). Raises DraftServerError if no Welcome comes."""
+    def reopen(self) -> None:
+        """A fresh socket, and a Hello on it for a new session (the old socket's queued messages are
+        dropped, so no stale request reaches a restarted server); receive_welcome() says when it is open."""
         self.sock.close(0)
         self.sock = self._socket()
         self.tag = 0
-        return self.hello(timeout_s)
+        self.send_hello()
 
     def draft(self, tokens: list[int], budget: int, draft: DraftConfig | None = None,
               sampling: SamplingConfig | None = None) -> tuple[P.DraftReply, tuple]:
@@ -314,6 +327,7 @@ class RemoteDrafter:
         self.outages = 0
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = 0.0
+        self._hello_at: float | None = None  # when the Hello of a new session went out (None: none in flight)
 
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> RemoteSequence:
@@ -375,18 +389,35 @@ class RemoteDrafter:
         self._retry_at = time.monotonic() + self._backoff_s
 
     def _back(self, seq: RemoteSequence) -> bool:
-        """While down: try a new session if the server answers pings again and the backoff has
-        passed; True once one is open."""
-        if time.monotonic() < self._retry_at or not self.client.reachable():
-            return False
+        """While down: once the server answers pings again and the backoff has passed, send a Hello on
+        a fresh socket and wait up to dead_after_s for its Welcome; if it has not come, look for it at
+        each later step without waiting (a server busy with a long batch answers late, and a client
+        that gave up and said hello again would leave a session behind each time). True once the
+        session is open."""
+        wait_s = 0.0
+        if self._hello_at is None:
+            if time.monotonic() < self._retry_at or not self.client.reachable():
+                return False
+            self.client.reopen()
+            self._hello_at = time.monotonic()
+            wait_s = self.client.dead_after_s  # a server at ease answers at once: draft this very step
         try:
-            self.client.reconnect(timeout_s=self.client.dead_after_s)
-        except DraftServerError:
-            self._backoff_s = min(2 * self._backoff_s, self.BACKOFF_S[1])
-            self._retry_at = time.monotonic() + self._backoff_s
+            welcome = self.client.receive_welcome(wait_s=wait_s)
+            given_up = welcome is None and time.monotonic() - self._hello_at > self.client.timeout_s
+        except DraftServerError as e:  # refused (full) or unreachable
+            log.info("no new draft session yet (%s)", e)
+            welcome = None
+            given_up = True
+        if welcome is None:
+            if given_up:  # try again after the backoff
+                self._hello_at = None
+                self._backoff_s = min(2 * self._backoff_s, self.BACKOFF_S[1])
+                self._retry_at = time.monotonic() + self._backoff_s
             return False
+        self._hello_at = None
         self.down = False
         seq.sent = 0
+        seq.pending = 0
         return True
 
     def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int,

@@ -138,6 +138,21 @@ class DraftServer:
             if self.stopping.is_set():  # stop within one batch, however long the queue
                 return
             self._draft(drafts[i:i + size])
+            self._control()
+
+    def _control(self) -> None:
+        """Between the batches of a round: answer the hellos and byes that came meanwhile at once (a
+        round of many batches can take long, and a target waiting for its Welcome decodes alone);
+        draft requests wait for the next round, after those deferred already, in arrival order."""
+        while True:
+            try:
+                req = self.q_in.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(req.msg, (P.Hello, P.Bye)):
+                self._take(req)
+            else:
+                self._deferred.append(req)
 
     def _take(self, req: Request) -> Session | None:
         """Handle one message; return its session when it is a draft request to serve."""
