@@ -412,8 +412,11 @@ BENCHES = {  # name: (help, module with add_args and main)
               "starsd.bench.serve"),
     "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",
                   "starsd.bench.multihost"),
+    "slow-server": ("a draft server slowed on purpose: targets waiting for every draft vs the draft deadline",
+                    "starsd.bench.slow_server"),
     "memory": ("peak RSS of co-located vs remote-draft targets; instances that fit a budget", "starsd.bench.memory"),
     "fuzz": ("bad inputs to protocol.decode and to a live draft server; honest sessions unchanged", "starsd.bench.fuzz"),
+    "soak": ("many replay targets for a long run with faults injected; losses, errors, RSS", "starsd.bench.soak"),
 }
 
 

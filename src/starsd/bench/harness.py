@@ -59,8 +59,10 @@ def numbers(text: str) -> list[int]:
 
 
 def server_config(args, serial: bool, predraft: bool = False) -> C.ServerConfig:
-    """The draft server of a benchmark point: pre-drafting only where a mode asks for it."""
-    return C.ServerConfig(serial=serial, max_batch=args.max_batch, predraft=predraft)
+    """The draft server of a benchmark point: pre-drafting only where a mode asks for it, and room
+    for a session per target at the largest N."""
+    sessions = max(C.ServerConfig.max_sessions, *numbers(args.targets))
+    return C.ServerConfig(serial=serial, max_batch=args.max_batch, predraft=predraft, max_sessions=sessions)
 
 
 @dataclasses.dataclass
@@ -103,6 +105,16 @@ def recording(args) -> tuple[Recording, str]:
     return rec, str(recording_path(pair.target_model(), prompts, args.max_new_tokens, pair.cache))
 
 
+def replay_command(inputs: Inputs, address: str, n: int, max_new_tokens: int, duration_s: float, seed: int,
+                   draft: C.DraftConfig | None = None, no_spec: bool = False) -> list[str]:
+    """The `starsd replay-targets` command line of n replay targets that wait for `go` on stdin,
+    drafting as `draft` says (default: the inputs' settings)."""
+    return ["replay-targets", "--connect", address, "--recording", inputs.recording_file,
+            "--latency", inputs.latency_file, "--targets", str(n), "--max-new-tokens", str(max_new_tokens),
+            "--duration-s", str(duration_s), "--wait-go", "--seed", str(seed),
+            *C.to_flags(draft or inputs.draft, prefix="draft-"), *(["--no-spec"] if no_spec else [])]
+
+
 class Runner:
     """Runs one point: a replay host with n targets against a draft server, over warm-up + window.
     `prefix` runs the host through a wrapper (`ip netns exec NS`: the targets on another host)."""
@@ -119,10 +131,7 @@ class Runner:
         and the unix time they were released."""
         a = self.args
         duration_s = a.warmup_s + a.measure_s if duration_s is None else duration_s
-        argv = ["replay-targets", "--connect", address, "--recording", self.inputs.recording_file,
-                "--latency", self.inputs.latency_file, "--targets", str(n), "--max-new-tokens", str(a.max_new_tokens),
-                "--duration-s", str(duration_s), "--wait-go", "--seed", str(a.seed),
-                *C.to_flags(draft or self.inputs.draft, prefix="draft-"), *(["--no-spec"] if no_spec else [])]
+        argv = replay_command(self.inputs, address, n, a.max_new_tokens, duration_s, a.seed, draft, no_spec)
         proc = spawn(argv, self.prefix)
         try:
             read_json_line(proc, "ready", 120)

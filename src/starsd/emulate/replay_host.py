@@ -4,6 +4,10 @@ A replay target costs no compute (it sleeps through its verify latency), so one 
 in for N target machines. Each target runs the ordinary draft -> verify -> accept loop
 (spec.decode.speculative) against the real draft server. Prints one JSON line per prompt decoded,
 marked "replay": true, with the per-iteration trace a benchmark needs.
+
+With --wait-go, stdin stays open after `go` for commands: `stall I S` makes target I stall for S
+seconds at its next step boundary (a slow target), then print {"stalled": name, "seconds": S,
+"resumed": unix time, "session": its session tag}. Every row says the target's session tag at its end.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import json
 import sys
 import threading
 import time
+from typing import Callable
 
 from starsd.config import ClientKeys, DraftConfig, SamplingConfig
-from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget
+from starsd.emulate.replay import LatencyProfile, Recording, ReplaySequence, ReplayTarget
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import DepthPolicy
+from starsd.spec.verify import Verdict
 from starsd.star.client import DraftClient, RemoteDrafter, Timing
 
 
@@ -44,6 +50,7 @@ class Host:
         self.deadline = float("inf")
         self.lock = threading.Lock()
         self.failed = False
+        self.stalls: dict[int, float] = {}  # target index -> seconds it stalls at its next step boundary
 
     def run(self, wait_go: bool) -> int:
         threads = [threading.Thread(target=self._target, args=(i,), name=f"replay-{i}", daemon=True)
@@ -54,12 +61,33 @@ class Host:
         if wait_go:
             print(json.dumps({"ready": f"{self.n} replay targets"}), flush=True)
             sys.stdin.readline()
+            threading.Thread(target=self._commands, name="replay-commands", daemon=True).start()
         if self.duration_s:
             self.deadline = time.time() + self.duration_s
         self.go.set()
         for t in threads:
             t.join()
         return 1 if self.failed else 0
+
+    def _commands(self) -> None:
+        """Read `stall I S` lines from stdin until it closes."""
+        for line in sys.stdin:
+            words = line.split()
+            try:
+                if words[0] != "stall":
+                    raise ValueError(f"unknown command {words[0]!r}")
+                with self.lock:
+                    self.stalls[int(words[1])] = float(words[2])
+            except (IndexError, ValueError) as e:
+                self._emit({"ignored": line.strip(), "why": str(e)})
+
+    def stall_point(self, i: int, client: DraftClient) -> None:
+        """Target i is between two steps: stall here if told to."""
+        with self.lock:
+            seconds = self.stalls.pop(i, 0.0)
+        if seconds > 0:
+            time.sleep(seconds)
+            self._emit({"stalled": f"replay-{i}", "seconds": seconds, "resumed": time.time(), "session": client.tag})
 
     def share(self, i: int) -> list[tuple[str, dict]]:
         """Target i's prompts: every n-th from i for a fixed run; for a timed run, all, starting at i."""
@@ -89,7 +117,8 @@ class Host:
             client.close()
 
     def _decode(self, i: int, name: str, client: DraftClient) -> None:
-        target = ReplayTarget(self.recording, self.latency, seed=self.seed * 100_003 + i)
+        target = StallingTarget(self.recording, self.latency, seed=self.seed * 100_003 + i,
+                                stall=lambda: self.stall_point(i, client))
         drafter = RemoteDrafter(client)
         policy = DepthPolicy(self.draft.depth)  # one per target: what it learns carries over its prompts
         eos = frozenset(self.recording.eos_ids)
@@ -112,6 +141,7 @@ class Host:
                     "num_steps": gen.num_steps, "mean_accepted": gen.mean_accepted, "seconds": gen.seconds,
                     "tokens_per_s": gen.tokens_per_s, "started": started, "finished": time.time(),
                     "trace": gen.trace, "asked": gen.asked, "verify_ms": target.verify_ms, "draft": t.summary(),
+                    "session": client.tag,
                     "requests": {"wall": t.wall, "queue": t.queue, "service": t.service, "batch": t.batch}})
             if not self.duration_s:
                 return
@@ -119,3 +149,16 @@ class Host:
     def _emit(self, obj: dict) -> None:
         with self.lock:
             print(json.dumps(obj), flush=True)
+
+
+class StallingTarget(ReplayTarget):
+    """A replay target that calls `stall` after each commit, between two steps (where a slow
+    target would pause: a GC pause, a preempted VM)."""
+
+    def __init__(self, recording: Recording, latency: LatencyProfile, seed: int, stall: Callable[[], None]):
+        super().__init__(recording, latency, seed)
+        self.stall = stall
+
+    def commit(self, seq: ReplaySequence, verdict: Verdict) -> None:
+        super().commit(seq, verdict)
+        self.stall()
