@@ -16,8 +16,9 @@ width, since a CPU's matrix kernels make it anything but a line (measured here: 
 2 tokens 1214 ms, 4 tokens 1962 ms, 11 tokens 2499 ms). Unmeasured, a depth is assumed as good as
 the configured one: a stream starts speculating at full depth and learns from there. Every
 `explore` steps the policy looks beside its choice, in turn: decoding alone, one level shallower,
-one deeper (or, while decoding alone, the best draft), so that costs it has not measured, and a
-draft server that slows down or frees up, are noticed.
+one deeper (or, while decoding alone, the best draft, twice as rarely after each look that finds
+decoding alone still better, up to 16 x explore), so that costs it has not measured, and a draft
+server that slows down or frees up, are noticed.
 
 The same arithmetic bounds the wait: a draft d deep pays only while it arrives within
 
@@ -155,6 +156,9 @@ class DepthPolicy:
     verify_ms: Table = None
     steps: int = 0
     chosen: int = 0
+    since: int = 0  # steps since the last look beside the choice
+    looks: int = 0  # looks beside a chosen depth so far (they take turns: alone, shallower, deeper)
+    idle_looks: int = 0  # looks in a row at drafting while decoding alone (each doubles the interval)
     paused: int = 0  # steps left to decode alone after a missed deadline
     misses: int = 0  # deadlines missed in a row (each doubles the next pause)
 
@@ -181,11 +185,20 @@ class DepthPolicy:
         rates = [self.rate(d) for d in range(limit + 1)]
         best = max(range(limit + 1), key=rates.__getitem__)
         self.steps += 1
-        if self.steps % self.explore == 0 and limit > 0:  # look beside the choice now and then
-            if best == 0:
-                best = max(range(1, limit + 1), key=rates.__getitem__)  # is the best draft worth asking for again?
+        self.since += 1
+        if best > 0:
+            self.idle_looks = 0
+        interval = self.explore << min(self.idle_looks, 4)
+        if self.since >= interval and limit > 0:  # look beside the choice now and then
+            self.since = 0
+            if best == 0:  # is the best draft worth asking for again? Each look that finds it is not
+                # waits twice as long for the next (up to 16 x explore): a look can cost several
+                # passes where verifying a draft is dear, and must not add up to a loss
+                self.idle_looks += 1
+                best = max(range(1, limit + 1), key=rates.__getitem__)
             else:
-                best = [0, best - 1, min(limit, best + 1)][(self.steps // self.explore - 1) % 3]
+                best = [0, best - 1, min(limit, best + 1)][self.looks % 3]
+                self.looks += 1
         self.chosen = best
         return best
 
