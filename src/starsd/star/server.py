@@ -49,6 +49,7 @@ class DraftServer:
         self._stats_cache = "{}"
         self._stats_at = -1.0
         self._outbox: Outbox | None = None
+        self._reaped_at = time.monotonic()
 
     def serve(self, on_ready=None) -> None:
         """Run until stop(): the IO thread in the background, the compute loop here. Call this from
@@ -59,16 +60,13 @@ class DraftServer:
         self._outbox = self.transport.outbox()
         log.info("draft server %s listening on %s (%s)", self.name, self.cfg.bind,
                  "serial" if self.cfg.serial else "batched")
-        last_reap = time.monotonic()
         try:
             while not self.stopping.is_set():
                 todo = self._predraft_todo()
                 self._handle(self._next_round(wait=not todo))
                 if todo and not self._deferred and self.q_in.empty():
                     self._predraft()
-                if time.monotonic() - last_reap > 1.0:
-                    self.sessions.reap()
-                    last_reap = time.monotonic()
+                self._reap()
         finally:
             self.stopping.set()
             self._outbox.close()
@@ -140,10 +138,18 @@ class DraftServer:
             self._draft(drafts[i:i + size])
             self._control()
 
+    def _reap(self) -> None:
+        """Free the sessions of silent targets, at most once a second."""
+        if time.monotonic() - self._reaped_at > 1.0:
+            self.sessions.reap()
+            self._reaped_at = time.monotonic()
+
     def _control(self) -> None:
-        """Between the batches of a round: answer the hellos and byes that came meanwhile at once (a
-        round of many batches can take long, and a target waiting for its Welcome decodes alone);
-        draft requests wait for the next round, after those deferred already, in arrival order."""
+        """Between the batches of a round: answer the hellos and byes that came meanwhile at once, and
+        free silent sessions (a round of many batches can take long, and a target waiting for its
+        Welcome decodes alone); draft requests wait for the next round, after those deferred
+        already, in arrival order."""
+        self._reap()
         while True:
             try:
                 req = self.q_in.get_nowait()
