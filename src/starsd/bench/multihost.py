@@ -67,11 +67,14 @@ def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float |
         try:
             proxy = Proxy(link, star.address, rtt_ms / 2)
             runner = harness.Runner(runner_inputs, args, prefix=link.exec_argv(link.target_ns))
+            # every step drafts: the figures are a draft request's overheads, not the depth policy's
+            # choice (which, with tiny models and a slow link, is rightly to decode alone)
+            fixed = dataclasses.replace(runner_inputs.draft, adaptive=False)
             ping = harness.server_stats(proxy.address, runner.prefix, ping=50)["ping_ms"]["median"]
             points = []
             for n in ns:
                 steps.begin(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}")
-                pt, its = runner.point(proxy.address, n)
+                pt, its = runner.point(proxy.address, n, draft=fixed)
                 drafted = [it for it in its if it.batch]
                 mean_len = statistics.fmean(it.tokens for it in drafted)
                 ser = harness.serialisation_ms(depth=max(1, round(pt["tokens_per_iteration"] * 2)), new_tokens=round(mean_len))
