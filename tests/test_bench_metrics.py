@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import tiny
+from starsd import cli
 from starsd import config as C
 from starsd.bench import metrics, scale
 from starsd.bench.multihost import networks
@@ -124,10 +125,13 @@ def test_out_of_sample_profile_takes_the_sweeps_shape_and_the_n1_points_scale():
 def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     t, d = tiny.save_pair(tmp_path)
     out = tmp_path / "scale.json"
+    # 13 points (every mode at N = 1 and 3), each a replay host process over warm-up + window: a 1 s
+    # window still holds a dozen or more steps per target; --max-batch 4 (room for N = 3) keeps the
+    # service sweep to batches 1, 2, 4.
     cmd = [sys.executable, "-m", "starsd.cli", "bench", "scale", "--target", t, "--draft", d, "--dtype", "float32",
            "--draft-quantize", "none", "--threads", "1", "--targets", "1,3", "--limit", "3", "--max-new-tokens", "24",
-           "--warmup-s", "0.5", "--measure-s", "1.5", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out),
-           "--draft-depth", "4", "--fixed-depths", "2"]
+           "--warmup-s", "0.5", "--measure-s", "1", "--max-batch", "4", "--cache-dir", str(tmp_path / "cache"),
+           "--json-out", str(out), "--draft-depth", "4", "--fixed-depths", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -145,8 +149,8 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
         if p["mode"] in ("serial", "batched", "adaptive", "predraft", "star", "batched-d2"):
             assert p["predraft"] == (p["mode"] in ("predraft", "star"))
             assert ("predrafting" in p) == p["predraft"]
-        if p["mode"] == "predraft":
-            assert p["predrafting"]["sessions"] > 0 and 0 <= p["predrafting"]["hit_rate"] <= 1
+        if p["mode"] == "predraft":  # at N = 3 the server is ~80% busy, where pre-drafting (rightly) stops
+            assert (p["predrafting"]["sessions"] > 0 or p["n"] > 1) and 0 <= p["predrafting"]["hit_rate"] <= 1
     checks = result["checks"]
     assert [r["n"] for r in checks["adaptive_vs_best_fixed"]] == [1, 3]
     assert {r["best_fixed_depth"] for r in checks["adaptive_vs_best_fixed"]} <= {2, 4}
@@ -156,14 +160,17 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     assert [r["n"] for r in checks["predraft_vs_batched"]] == [r["n"] for r in checks["star_vs_adaptive"]] == [1, 3]
     assert "replay" in result["replay"]["targets"]
     assert set(result["n_full"]) == {"serial", "batched"}
+    assert set(result["service_sweep_ms"]) == {"1", "2", "4"}
     for suffix in ("", "-utilization", "-latency"):
         assert (tmp_path / f"scale{suffix}.png").stat().st_size > 1000
     model = subprocess.run([sys.executable, "-m", "starsd.cli", "model", "--from", str(out), "--targets", "1,2,8"],
                            capture_output=True, text=True, timeout=60)
     assert model.returncode == 0 and "N_full" in model.stdout
-    again = subprocess.run([sys.executable, "-m", "starsd.cli", "bench", "scale", "--reanalyse", str(out)],
-                           capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stderr[-2000:]
+    for suffix in ("", "-utilization", "-latency"):
+        (tmp_path / f"scale{suffix}.png").unlink()
+    assert cli.main(["bench", "scale", "--reanalyse", str(out)]) == 0  # measures nothing: run here, no torch import
+    for suffix in ("", "-utilization", "-latency"):
+        assert (tmp_path / f"scale{suffix}.png").stat().st_size > 1000  # redrawn
     redone = json.loads(out.read_text())
     assert redone["points"] == result["points"] and redone["reanalysed_from"] == result["meta"]
 

@@ -14,7 +14,7 @@ def test_bench_serve_measures_both_modes(tmp_path):
     draft_dir = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft")
     out = tmp_path / "serve.json"
     run = subprocess.run([sys.executable, "-m", "starsd.cli", "bench", "serve", "--targets", "1", "--clients", "1,2",
-                          "--duration-s", "2", "--max-tokens", "12", "--limit", "3", "--target", target_dir,
+                          "--duration-s", "1", "--max-tokens", "12", "--limit", "3", "--target", target_dir,
                           "--draft", draft_dir, "--dtype", "float32", "--draft-quantize", "none",
                           "--json-out", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -44,9 +44,14 @@ def cluster(tmp_path_factory):
                                   "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
             assert run.returncode == 0, run.stderr[-2000:]
         yield {"link": link, "env": env, "head": head, "root": root}
-    finally:
-        for ns, _, _ in reversed(nodes):
-            subprocess.run([*link.exec_argv(ns), RAY, "stop", "--force"], env=env, capture_output=True, timeout=180)
+    finally:  # both nodes stopped at once: each `ray stop` waits seconds for its node's processes
+        stops = [subprocess.Popen([*link.exec_argv(ns), RAY, "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL) for ns, _, _ in nodes]
+        for stop in stops:
+            try:
+                stop.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                stop.kill()
         link.close()
 
 
