@@ -8,10 +8,7 @@ import tiny
 
 
 def test_bench_serve_measures_both_modes(tmp_path):
-    tok = tiny.char_tokenizer()
-    target = tiny.tiny_model(1)
-    target_dir = tiny.save(target, tok, tmp_path / "target")
-    draft_dir = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft")
+    target_dir, draft_dir = tiny.save_pair(tmp_path)
     out = tmp_path / "serve.json"
     run = subprocess.run([sys.executable, "-m", "starsd.cli", "bench", "serve", "--targets", "1", "--clients", "1,2",
                           "--duration-s", "1", "--max-tokens", "12", "--limit", "3", "--target", target_dir,

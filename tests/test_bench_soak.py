@@ -85,10 +85,7 @@ def test_a_run_fails_on_any_missed_check():
 
 
 def test_soak_short_every_fault_survived_nothing_lost(tmp_path):
-    tok = tiny.char_tokenizer()
-    target = tiny.tiny_model(1)
-    target_dir = tiny.save(target, tok, tmp_path / "target")
-    draft_dir = tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft")
+    target_dir, draft_dir = tiny.save_pair(tmp_path)
     latency = tmp_path / "latency.json"
     # verify passes a GPU would make of a 1.5B target (flat in the width: drafting pays), and a prefill
     latency.write_text(json.dumps(LatencyProfile({1: (300.0,), 16: (330.0,)}, "test", {50: (300.0,)}).to_json()))

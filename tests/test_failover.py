@@ -7,9 +7,11 @@ import pytest
 
 import tiny
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
+from starsd.emulate.delay_proxy import DelayProxy
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative, target_only
+from starsd.spec.depth import DepthPolicy
 from starsd.star.client import DraftClient, RemoteDrafter
 from starsd.star.launch import free_port, start_server
 
@@ -48,114 +50,108 @@ class KillAt:
         return tree
 
 
-def test_killed_draft_server_targets_go_on_alone_then_reconnect(dirs):
-    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
-    port = free_port()
-    star = start_server(pair_cfg, ServerConfig(), port=port)
-    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
-    client = DraftClient(star.address, vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "t")
-    restarted = None
-    try:
-        client.hello()
-        drafter = RemoteDrafter(client)
+class Rig:
+    """A draft-server process on a fixed port, the tiny target in this process, and a client with a
+    session on the server, reached directly or through a proxy that delays each message."""
 
-        def kill():
-            star.server.kill()
-            star.server.wait()
+    def __init__(self, dirs, delay_ms: float | None = None):
+        self.pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
+        self.port = free_port()
+        self.stars = [start_server(self.pair_cfg, ServerConfig(), port=self.port)]
+        self.local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
+        self.proxy = None
+        address = self.stars[0].address
+        if delay_ms is not None:
+            self.proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", self.port), delay_ms=delay_ms).start()
+            address = f"tcp://127.0.0.1:{self.proxy.port}"
+        fingerprint = vocab_fingerprint(self.local.tokenizer, logits_width(self.local.target.model))
+        self.client = DraftClient(address, fingerprint, "t")
+        self.client.hello()
 
-        killer = KillAt(drafter, 6, kill)
-        prompt = [5, 17, 33, 2]
-        gen = speculative(local.target, killer, prompt, 120, DRAFT, GREEDY)
-        assert gen.token_ids == target_only(local.target, prompt, 120, GREEDY).token_ids  # nothing lost or repeated
-        assert all(d > 0 for d in gen.depths[:5]) and not any(gen.depths[5:])  # drafted, then alone
-        assert killer.first_after_kill_s < 2.5, "the dead server was noticed late"
-        assert drafter.down and drafter.outages == 1
+    @property
+    def target(self):
+        return self.local.target
 
-        restarted = start_server(pair_cfg, ServerConfig(), port=port)  # back at the same address
-        deadline = time.monotonic() + 10
-        while not client.reachable() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(drafter.BACKOFF_S[0])
-        prompt2 = [9, 8, 7]
-        gen2 = speculative(local.target, drafter, prompt2, 60, DRAFT, GREEDY)
-        assert gen2.token_ids == target_only(local.target, prompt2, 60, GREEDY).token_ids
-        assert not drafter.down and gen2.depths[0] > 0 and all(d > 0 for d in gen2.depths[:-1])
-    finally:
-        client.close()
-        star.close()
-        if restarted:
-            restarted.close()
+    def kill(self) -> None:
+        self.stars[-1].server.kill()
+        self.stars[-1].server.wait()
+
+    def restart(self) -> None:
+        """A new server at the same address."""
+        self.stars.append(start_server(self.pair_cfg, ServerConfig(), port=self.port))
+
+    def close(self) -> None:
+        self.client.close()
+        if self.proxy:
+            self.proxy.stop()
+        for star in self.stars:
+            star.close()
 
 
-def test_slow_draft_server_costs_a_target_almost_no_waiting(dirs):
+@pytest.fixture
+def rig(dirs, request):
+    r = Rig(dirs, getattr(request, "param", None))
+    yield r
+    r.close()
+
+
+def test_killed_draft_server_targets_go_on_alone_then_reconnect(rig):
+    drafter = RemoteDrafter(rig.client)
+    killer = KillAt(drafter, 6, rig.kill)
+    prompt = [5, 17, 33, 2]
+    gen = speculative(rig.target, killer, prompt, 120, DRAFT, GREEDY)
+    assert gen.token_ids == target_only(rig.target, prompt, 120, GREEDY).token_ids  # nothing lost or repeated
+    assert all(d > 0 for d in gen.depths[:5]) and not any(gen.depths[5:])  # drafted, then alone
+    assert killer.first_after_kill_s < 2.5, "the dead server was noticed late"
+    assert drafter.down and drafter.outages == 1
+
+    rig.restart()  # back at the same address
+    deadline = time.monotonic() + 10
+    while not rig.client.reachable() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(drafter.BACKOFF_S[0])
+    prompt2 = [9, 8, 7]
+    gen2 = speculative(rig.target, drafter, prompt2, 60, DRAFT, GREEDY)
+    assert gen2.token_ids == target_only(rig.target, prompt2, 60, GREEDY).token_ids
+    assert not drafter.down and gen2.depths[0] > 0 and all(d > 0 for d in gen2.depths[:-1])
+
+
+@pytest.mark.parametrize("rig", [150], indirect=True)
+def test_slow_draft_server_costs_a_target_almost_no_waiting(rig):
     """Every draft comes 300 ms after its request (a delaying proxy in the path); the tiny target
     decodes a token in milliseconds, so no draft can pay. The target gives each draft the deadline
     its own decode time allows, decodes alone when it passes, and waits ever more rarely."""
-    from starsd.emulate.delay_proxy import DelayProxy
-    from starsd.spec.depth import DepthPolicy
-
-    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
-    port = free_port()
-    star = start_server(pair_cfg, ServerConfig(), port=port)
-    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
-    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port), delay_ms=150).start()
-    client = DraftClient(f"tcp://127.0.0.1:{proxy.port}",
-                         vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "t")
-    try:
-        client.hello()
-        drafter = RemoteDrafter(client)
-        prompt = [5, 17, 33, 2]
-        policy = DepthPolicy(4)
-        gen = speculative(local.target, drafter, prompt, 100, DraftConfig(depth=4), GREEDY, policy=policy)
-        assert gen.token_ids == target_only(local.target, prompt, 100, GREEDY).token_ids
-        assert 1 <= drafter.timing.late <= 4  # paused 16, 32, 64 steps after each miss in a row
-        assert sum(drafter.timing.wall) < 300, "the target waited out the slow drafts"
-        assert not drafter.down, "a slow server is not a dead one"
-        gen2 = speculative(local.target, drafter, [9, 8, 7], 30, DraftConfig(depth=4), GREEDY, policy=policy)
-        assert gen2.token_ids == target_only(local.target, [9, 8, 7], 30, GREEDY).token_ids  # a late reply
-        # of the last stream is read and dropped, not taken for the new stream's answer
-    finally:
-        client.close()
-        proxy.stop()
-        star.close()
+    drafter = RemoteDrafter(rig.client)
+    prompt = [5, 17, 33, 2]
+    policy = DepthPolicy(4)
+    gen = speculative(rig.target, drafter, prompt, 100, DraftConfig(depth=4), GREEDY, policy=policy)
+    assert gen.token_ids == target_only(rig.target, prompt, 100, GREEDY).token_ids
+    assert 1 <= drafter.timing.late <= 4  # paused 16, 32, 64 steps after each miss in a row
+    assert sum(drafter.timing.wall) < 300, "the target waited out the slow drafts"
+    assert not drafter.down, "a slow server is not a dead one"
+    gen2 = speculative(rig.target, drafter, [9, 8, 7], 30, DraftConfig(depth=4), GREEDY, policy=policy)
+    assert gen2.token_ids == target_only(rig.target, [9, 8, 7], 30, GREEDY).token_ids  # a late reply
+    # of the last stream is read and dropped, not taken for the new stream's answer
 
 
-def test_a_draft_in_flight_when_the_server_dies_is_not_awaited_forever(dirs):
+@pytest.mark.parametrize("rig", [100], indirect=True)
+def test_a_draft_in_flight_when_the_server_dies_is_not_awaited_forever(rig):
     """A draft that missed its deadline stays in flight. If its server dies, the next step must
     notice (heartbeat), not wait for that reply step after step; and reconnect once a server is back."""
-    from starsd.emulate.delay_proxy import DelayProxy
-
-    pair_cfg = PairConfig(draft=dirs["draft"], dtype="float32", threads=1, draft_quantize="none")
-    port = free_port()
-    star = start_server(pair_cfg, ServerConfig(), port=port)
-    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), None)
-    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port), delay_ms=100).start()
-    client = DraftClient(f"tcp://127.0.0.1:{proxy.port}",
-                         vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "t")
     cfg = DraftConfig(depth=4)
-    restarted = None
-    try:
-        client.hello()
-        drafter = RemoteDrafter(client)
-        seq = drafter.start([5, 17, 33, 2], cfg, GREEDY, 4)
-        assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=1)) == 0 and seq.pending
-        star.server.kill()
-        star.server.wait()
-        deadline = time.monotonic() + 5
-        while client.reachable() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(drafter.propose(seq, [7], cfg, GREEDY, max_depth=4, deadline_ms=1)) == 0
-        assert drafter.down and drafter.outages == 1 and not seq.pending
-        restarted = start_server(pair_cfg, ServerConfig(), port=port)
-        deadline = time.monotonic() + 15
-        tree = None
-        while time.monotonic() < deadline and not (tree is not None and len(tree)):
-            time.sleep(0.2)
-            tree = drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=2000)
-        assert tree is not None and len(tree) > 0 and not drafter.down  # a new session, from the whole prefix
-    finally:
-        client.close()
-        proxy.stop()
-        star.close()
-        if restarted:
-            restarted.close()
+    drafter = RemoteDrafter(rig.client)
+    seq = drafter.start([5, 17, 33, 2], cfg, GREEDY, 4)
+    assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=1)) == 0 and seq.pending
+    rig.kill()
+    deadline = time.monotonic() + 5
+    while rig.client.reachable() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(drafter.propose(seq, [7], cfg, GREEDY, max_depth=4, deadline_ms=1)) == 0
+    assert drafter.down and drafter.outages == 1 and not seq.pending
+    rig.restart()
+    deadline = time.monotonic() + 15
+    tree = None
+    while time.monotonic() < deadline and not (tree is not None and len(tree)):
+        time.sleep(0.2)
+        tree = drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=2000)
+    assert tree is not None and len(tree) > 0 and not drafter.down  # a new session, from the whole prefix

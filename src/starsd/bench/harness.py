@@ -34,17 +34,24 @@ WIDTHS = [1, 2, 3, 4, 6, 8, 11, 16]  # scored tokens per verify pass, for the me
 
 
 def add_star_args(p: argparse.ArgumentParser, json_out: str) -> None:
-    """The flags of a benchmark that runs replay targets against a real draft server."""
+    """The flags of a benchmark that measures replay targets against a real draft server, point by
+    point: N values, and a warm-up and a window per point."""
     p.add_argument("--targets", default="1,2,4,8,16,32,64", help="numbers of targets N, comma-separated")
+    p.add_argument("--warmup-s", type=float, default=20.0, help="seconds before the window opens (every "
+                   "target's first request prefills its prompt: at large N a serial server needs a while)")
+    p.add_argument("--measure-s", type=float, default=30.0, help="length of the measuring window (seconds)")
+    add_replay_args(p, json_out)
+
+
+def add_replay_args(p: argparse.ArgumentParser, json_out: str) -> None:
+    """The flags of any benchmark that runs replay targets: what they replay, the models, the draft
+    server's batch limit, the seed and the output file."""
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=16, help="prompts recorded and cycled through")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens recorded per prompt (a continuation's length)")
     p.add_argument("--latency", default=None, help="a verify latency profile (JSON) for other target hardware; "
                                                    "default: measured here on the real target")
-    p.add_argument("--warmup-s", type=float, default=20.0, help="seconds before the window opens (every "
-                   "target's first request prefills its prompt: at large N a serial server needs a while)")
-    p.add_argument("--measure-s", type=float, default=30.0, help="length of the measuring window (seconds)")
     p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit (sessions)")
     p.add_argument("--seed", type=int, default=0, help="seeds the replay targets' latency draws (and the simulator's)")
     p.add_argument("--json-out", default=json_out, help="results as JSON here, plots (PNG) beside it")

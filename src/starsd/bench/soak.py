@@ -50,7 +50,7 @@ from starsd import config as C
 from starsd.bench import harness
 from starsd.results import Steps, panel_plot, summary, write_json
 from starsd.star import protocol as P
-from starsd.star.client import DraftClient, DraftServerError, Heartbeat
+from starsd.star.client import Heartbeat, query_stats
 from starsd.star.launch import Star, free_port, read_json_line, spawn, start_server
 
 KINDS = ("server_kill", "target_kill", "slow_target", "bad_message")  # the order faults take turns in
@@ -74,19 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-timeout-s", type=float, default=10.0,
                    help="the draft server frees a session silent this long")
     p.add_argument("--sample-s", type=float, default=2.0, help="seconds between reads of the server's counters and RSS")
-    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
-    p.add_argument("--limit", type=int, default=16, help="prompts recorded and cycled through")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="tokens recorded per prompt (a continuation's length)")
-    p.add_argument("--latency", default=None, help="a verify latency profile (JSON); default: measured here on "
-                                                   "the real target")
-    p.add_argument("--max-batch", type=int, default=32, help="the draft server's batch limit (sessions)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the replay targets' latency draws")
-    p.add_argument("--json-out", default="results/soak.json", help="results as JSON here; the plot and the "
-                   "draft server's log beside it")
-    C.add_flags(p, C.PairConfig)
-    C.add_flags(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(threads=2)
+    harness.add_replay_args(p, "results/soak.json")  # the draft server's log goes beside the JSON too
 
 
 # ------------------------------------------------------------------------------------ arithmetic
@@ -204,13 +192,7 @@ class Server:
 
     def stats(self, timeout_s: float = 10.0) -> dict | None:
         """The running life's counters; None when it does not answer."""
-        client = DraftClient(self.address, "", "soak", timeout_s=timeout_s)
-        try:
-            return client.stats()
-        except DraftServerError:
-            return None
-        finally:
-            client.close()
+        return query_stats(self.address, "soak", timeout_s)
 
     def sessions(self) -> int:
         """Sessions open now (-1: no answer)."""

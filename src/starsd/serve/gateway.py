@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starsd.serve.metrics import DraftServerCollector, GatewayMetrics
 from starsd.serve.openai_api import ApiError, ChatRequest, CompletionRequest, Response, Tally
 from starsd.serve.pool import Overloaded, Pool, TargetFailed
-from starsd.star.client import DraftClient, DraftServerError
+from starsd.star.client import query_stats
 
 log = logging.getLogger("starsd.gateway")
 TARGET_ERRORS = {"bad_request": 400, "context_length": 400, "bad_settings": 400, "busy": 503, "timeout": 504,
@@ -43,15 +43,7 @@ class GatewayConfig:
 
 def draft_server_snapshot(address: str):
     """The draft server's counters, or None if it does not answer within 2 s."""
-    if not address:
-        return None
-    client = DraftClient(address, "", "gateway-metrics", timeout_s=2.0, heartbeat_s=0)
-    try:
-        return client.stats()
-    except DraftServerError:
-        return None
-    finally:
-        client.close()
+    return query_stats(address, "gateway-metrics", timeout_s=2.0) if address else None
 
 
 class Gateway:

@@ -125,7 +125,8 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
     that stops iterating ends the stream. With draft_cfg.adaptive a DepthPolicy picks each step's
     depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one. It
     also gives each draft a deadline (spec/depth.py): a draft that misses it comes back empty from
-    a remote drafter, and that step decodes alone. Pass one `policy` to every generation of a stream, so that what it learnt carries over."""
+    a remote drafter, and that step decodes alone. Pass one `policy` to every generation of a
+    stream, so that what it learnt carries over."""
     require_prompt(prompt_ids)
     verify_gen = make_generator(sampling.seed, target.device)
     draft_gen = make_generator(sampling.seed + 1, drafter.device)

@@ -26,9 +26,9 @@ The same arithmetic bounds the wait: a draft d deep pays only while it arrives w
 
 (rate(d) >= rate(0) solved for draft_ms). A target gives each draft that long, and at least one
 pass of decoding alone (so that a try of a depth that does not pay yet still measures the round
-trip instead of its own deadline); one that misses it
-is decoded alone (`missed`), and the policy then decodes alone for `explore` steps, twice as long
-after each further miss in a row, before it asks again. So a draft server that is alive but slow or
+trip instead of its own deadline); a step whose draft misses it is decoded alone (`missed`), and
+the policy then decodes alone for `explore` steps, twice as long after each further miss in a
+row, before it asks again. So a draft server that is alive but slow or
 overloaded costs a target at most one bounded wait per pause, and never its own decoding speed.
 """
 

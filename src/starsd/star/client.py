@@ -51,6 +51,18 @@ def connect(ctx: zmq.Context, address: str, keys: ClientKeys, send_hwm: int = 0)
     return sock
 
 
+def query_stats(address: str, name: str = "stats", timeout_s: float = 10.0) -> dict | None:
+    """A draft server's counters (a StatsRequest on a connection of its own); None if it does not
+    answer within timeout_s."""
+    client = DraftClient(address, "", name, timeout_s=timeout_s, heartbeat_s=0)
+    try:
+        return client.stats()
+    except DraftServerError:
+        return None
+    finally:
+        client.close()
+
+
 class DraftClient:
     """One DEALER connection with one session. Not thread-safe: one request in flight at a time.
 
@@ -146,11 +158,10 @@ class DraftClient:
         t = torch.tensor(tokens, dtype=torch.int32)
         self._send(P.DraftRequest(self.tag, self.step, reset, draft, sampling, budget, P.specs(t)), (t,))
 
-    def receive_draft(self, wait_s: float | None = None) -> tuple[P.DraftReply, tuple] | None:
-        """The second half of draft(): the reply to the request sent last. With `wait_s`, None if it
-        has not come within that long; the request is then still in flight, and this is to be
+    def receive_draft(self, until: float | None = None) -> tuple[P.DraftReply, tuple] | None:
+        """The second half of draft(): the reply to the request sent last. With `until` (monotonic
+        s), None if it has not come by then; the request is then still in flight, and this is to be
         called again before another request goes out."""
-        until = None if wait_s is None else time.monotonic() + wait_s
         while True:
             got = self._receive(P.DraftReply, step=self.step, until=until)
             if got is None:
@@ -439,7 +450,7 @@ class RemoteDrafter:
         has not come by `until` (monotonic s), DraftServerError if it was refused (and not taken)."""
         held = seq.pending
         try:
-            reply = self.client.receive_draft(None if until is None else max(0.0, until - time.monotonic()))
+            reply = self.client.receive_draft(until)
         except DraftServerError:
             seq.pending = 0
             raise

@@ -2,9 +2,9 @@
 
 A handshake (Hello) binds a fresh random tag to the peer's connection; all draft state of that
 target (its draft KV cache, its committed tokens, its settings and random generator) lives under
-the tag, and a request is honoured only from the connection that owns it, so sessions never see or
-disturb each other (with keys, the connection's authenticated key owns it too). A session's `next_step` advances by one per request taken; a refused request
-is not taken and leaves it where it was. A session is freed on Bye, on a second Hello from its
+the tag, and a request is honoured only from the connection that owns it (and, with keys, from its
+authenticated key), so sessions never see or disturb each other. A session's `next_step` advances
+by one per request taken; a refused request is not taken and leaves it where it was. A session is freed on Bye, on a second Hello from its
 connection, or once neither a request nor a heartbeat has come for session_timeout_s.
 
 Only the compute loop calls these methods, except `heartbeat` (the IO thread).
@@ -140,7 +140,10 @@ class Sessions:
 
     def _check_memory(self, s: Session, length: int) -> None:
         """Refuse (kv_full) a request whose session would take the draft KV past its budget: its
-        tokens, a draft tree below them, and an allocation that grows by doubling."""
+        tokens, a draft tree below them, and an allocation that grows by doubling. A request its
+        session's allocation already holds asks for nothing new and is not counted again."""
+        if s.seq is not None and length + MAX_DRAFT_NODES <= s.seq.kv.capacity:
+            return  # the common step: no sum over the other sessions
         need = max(2 * length, length + MAX_DRAFT_NODES) * self.column_bytes
         if s.seq is not None:
             need = max(need, s.seq.kv.capacity * self.column_bytes)

@@ -135,7 +135,8 @@ class Transport:
             tag = 0 if isinstance(msg, P.Hello) else msg.tag
             step = msg.step if isinstance(msg, P.DraftRequest) else -1
             return answer(P.Error("busy", "draft server queue is full; retry later", tag, step))
-        self.q_in.put(Request(peer, msg, tensors, time.perf_counter(), security.peer_key(frames[1])))
+        user = security.peer_key(frames[1]) if self._auth else ""
+        self.q_in.put(Request(peer, msg, tensors, time.perf_counter(), user))
 
 
 class Outbox:
