@@ -139,8 +139,9 @@ class DraftServer:
             self._control()
 
     def _reap(self) -> None:
-        """Free the sessions of silent targets, at most once a second."""
-        if time.monotonic() - self._reaped_at > 1.0:
+        """Free the sessions of silent targets, at most once a second (four times per timeout where
+        that is shorter, so that a session outlives its timeout by a quarter of it at most)."""
+        if time.monotonic() - self._reaped_at > min(1.0, self.cfg.session_timeout_s / 4):
             self.sessions.reap()
             self._reaped_at = time.monotonic()
 
