@@ -120,6 +120,7 @@ def test_stop_is_prompt_however_long_the_queue(tiny_drafters):
 
     class Slow:
         model = tiny_drafters["good"].model
+        taps = None
 
         def propose_batch(self, jobs):
             time.sleep(0.3)
@@ -163,6 +164,7 @@ class Gated:
         self.inner = inner
         self.device = inner.device
         self.model = inner.model
+        self.taps = inner.taps
         self.closed = threading.Event()
         self.entered = threading.Event()
         self.opened = threading.Event()

@@ -31,6 +31,7 @@ class KillAt:
     def __init__(self, drafter: RemoteDrafter, k: int, kill):
         self.drafter = drafter
         self.device = drafter.device
+        self.taps = drafter.taps
         self.k = k
         self.kill = kill
         self.calls = 0

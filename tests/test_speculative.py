@@ -135,15 +135,21 @@ def test_sampled_output_follows_target_distribution(tiny_target, tiny_drafters, 
     assert to_draft > 3 * to_target, (to_target, to_draft)
 
 
-def test_hidden_states_come_with_scores(tiny_target):
+def test_features_come_with_scores(tiny_target):
+    """The last hidden states (EAGLE-1's features) are what the LM head reads; tapped ones are
+    transformers' hidden_states of those layers, side by side (EAGLE-3's)."""
     from starsd.spec.tree import DraftTree
 
-    seq = tiny_target.start([1, 2, 3])
-    logits = tiny_target.score(seq, DraftTree.chain([4, 5]), want_hidden=True)
+    seq = tiny_target.start([1, 2, 3], taps=())
+    assert seq.features.shape == (2, tiny_target.model.config.hidden_size)  # the prefill's rows
+    logits = tiny_target.score(seq, DraftTree.chain([4, 5]), taps=())
     assert logits.shape == (3, 128)
-    assert seq.hidden.shape == (3, tiny_target.model.config.hidden_size)
+    assert seq.features.shape == (3, tiny_target.model.config.hidden_size)
     with torch.inference_mode():
-        torch.testing.assert_close(tiny_target.model.lm_head(seq.hidden).float(), logits)
+        torch.testing.assert_close(tiny_target.model.lm_head(seq.features).float(), logits)
+        seq = tiny_target.start([1, 2, 3, 4], taps=(1, 2))
+        states = tiny_target.model.model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(seq.features, torch.cat([states[1][0], states[2][0]], dim=-1))
 
 
 def test_int8_quantised_draft_is_lossless(tiny_target):

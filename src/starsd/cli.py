@@ -69,7 +69,8 @@ def cmd_generate(args) -> int:
     from starsd.prompts import Prompt
 
     cfg = C.from_args(C.PairConfig, args)
-    pair = Pair.load(cfg.target_model(), None if args.no_spec else cfg.draft_model(), cfg.cache, cfg.threads)
+    pair = Pair.load(cfg.target_model(), None if args.no_spec else cfg.draft_model(), cfg.cache, cfg.threads,
+                     None if args.no_spec or not cfg.eagle else cfg.eagle_model())
     prompt = Prompt("cli", args.prompt, chat=args.chat)
     draft = None if args.no_spec else C.from_args(C.DraftConfig, args, prefix="draft-")
     gen = pair.generate(prompt, args.max_new_tokens, C.from_args(C.SamplingConfig, args), draft)
@@ -89,7 +90,7 @@ def cmd_generate(args) -> int:
 
 
 def args_draft_server(p: argparse.ArgumentParser) -> None:
-    C.add_flags(p, C.PairConfig, skip=("target",))
+    C.add_flags(p, C.PairConfig)  # --target: with --eagle, the head holds the target's embedding and LM head
     C.add_flags(p, C.ServerConfig)
 
 
@@ -99,19 +100,18 @@ def cmd_draft_server(args) -> int:
 
     import torch
 
-    from starsd.models.drafter import Drafter
-    from starsd.models.loading import load_model, load_tokenizer, logits_width, vocab_fingerprint
+    from starsd.models.loading import logits_width, vocab_fingerprint
+    from starsd.models.pair import load_drafter
     from starsd.star.server import DraftServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     pair = C.from_args(C.PairConfig, args)
     if pair.threads:
         torch.set_num_threads(pair.threads)
-    cfg = pair.draft_model()
-    tokenizer = load_tokenizer(cfg.path, pair.cache)
-    model = load_model(cfg, pair.cache)
-    server = DraftServer(Drafter(model), vocab_fingerprint(tokenizer, logits_width(model)), logits_width(model),
-                         C.from_args(C.ServerConfig, args), name=f"starsd-draft:{cfg.path}")
+    drafter, tokenizer = load_drafter(pair)
+    width = logits_width(drafter.model)
+    server = DraftServer(drafter, vocab_fingerprint(tokenizer, width), width, C.from_args(C.ServerConfig, args),
+                         name=f"starsd-draft:{pair.eagle or pair.draft}")
     if server.cfg.metrics_port:
         from starsd.serve.metrics import DraftServerCollector, serve_metrics
 

@@ -74,6 +74,8 @@ class PairConfig:
     target: str = setting(DEFAULT_TARGET, "target model: a pinned name (`starsd models list`), a local "
                           "Hugging Face model directory, or a hub id")
     draft: str = setting(DEFAULT_DRAFT, "draft model: a pinned name, a local model directory, or a hub id")
+    eagle: str = setting("", "EAGLE head directory (the EAGLE-1 or EAGLE-3 layout, e.g. `starsd train-eagle`'s): "
+                         "draft with it from the target's features instead of with the draft model")
     device: str = setting("cpu", "torch device of the models: cpu, cuda, cuda:1, ... (the draft's too, "
                           "unless --draft-device)")
     draft_device: str = setting("", "torch device of the draft model (empty: --device)")
@@ -102,12 +104,17 @@ class PairConfig:
             quantize = "int8" if device.startswith("cpu") else "none"
         return ModelConfig(self.draft, device, resolve_dtype(self.dtype, device), quantize)
 
+    def eagle_model(self) -> ModelConfig:
+        """Where and how an EAGLE head runs: the draft's device, in the target's dtype (never quantised)."""
+        device = self.draft_device or self.device
+        return ModelConfig(self.eagle, device, resolve_dtype(self.dtype, device))
+
     @property
     def cache(self) -> str | None:
         return self.cache_dir or None
 
 
-DRAFT_SIDE = ("draft", "draft_device", "draft_quantize")  # PairConfig fields a target worker has no use for
+DRAFT_SIDE = ("draft", "draft_device", "draft_quantize", "eagle")  # PairConfig fields a target worker has no use for
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,12 @@ class DraftConfig:
     adaptive: bool = setting(True, "choose each step's depth (at most depth; 0: decode the step alone) from the "
                              "stream's measured acceptance, draft wait and verify times; off: always `depth` "
                              "(seeded sampled runs are reproducible only then: the choice follows timings)")
+    feature_bits: int = setting(16, "EAGLE heads: bits per feature value a target sends its draft server: 16 "
+                                "(bfloat16) or 8 (uint8 with a per-row min and step)", choices=(16, 8))
 
     def __post_init__(self):
+        if self.feature_bits not in (8, 16):
+            raise ValueError(f"feature_bits must be 8 or 16, not {self.feature_bits}")
         if not 1 <= self.depth <= MAX_DRAFT_DEPTH:
             raise ValueError(f"draft depth must be in 1..{MAX_DRAFT_DEPTH}, not {self.depth}")
         if not 1 <= self.top_k <= MAX_DRAFT_TOP_K:

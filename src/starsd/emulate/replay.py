@@ -197,7 +197,7 @@ class ReplayTarget:
         time.sleep(self.latency.prefill(len(prompt_ids)) / 1e3)
         return ReplaySequence(list(prompt_ids), cont)
 
-    def score(self, seq: ReplaySequence, tree: DraftTree, want_hidden: bool = False) -> torch.Tensor:
+    def score(self, seq: ReplaySequence, tree: DraftTree) -> torch.Tensor:
         """Logits [n+1, V] whose argmax after each node is the recorded token at that depth; waits
         the verify latency of n+1 scored tokens."""
         t0 = time.perf_counter()

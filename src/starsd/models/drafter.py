@@ -14,6 +14,13 @@ attention mask over the batch's columns and its own rotary positions, so each se
 its own context. Each level is one forward pass over the rows still growing and one LM-head call
 over all their new nodes. A finished row's new columns are copied back to its sequence's KV; once
 half the rows are finished the batch drops them. A batch of one works in its sequence's own KV.
+
+The model is a small LM, or an EAGLE head (models/eagle.py) that drafts from the target's features.
+With a head, each committed token comes with the target's feature of the position before it
+(`DraftJob.features`, waiting in `DraftSequence.features` until ingested), a sequence holds its
+stream from the second token on, and accepted nodes are ingested again (their keys and values
+were computed from the head's own predicted features, not the target's); inside a tree a node's
+feature is its parent's output.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models import forward as fw
+from starsd.models.eagle import EagleHead
 from starsd.models.kv import KV
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import sample, warp
@@ -40,10 +48,12 @@ class DraftSequence:
     cached: int = 0
     kept: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent column or ROOT, token) -> column
     # of a node of the last draft that was fed to the model; columns count from the start of the KV
+    features: torch.Tensor | None = None  # EAGLE: [len(tokens) - cached, H] the lifted target features of
+    # the tokens not yet ingested, row i the feature of the position before tokens[cached + i]
 
     def clone(self) -> DraftSequence:
         """An independent copy (a draft into it leaves this one as it was)."""
-        return DraftSequence(list(self.tokens), self.kv.clone(), self.cached, dict(self.kept))
+        return DraftSequence(list(self.tokens), self.kv.clone(), self.cached, dict(self.kept), self.features)
 
 
 class Interrupted(Exception):
@@ -62,6 +72,8 @@ class DraftJob:
     generator: torch.Generator | None = None
     max_depth: int = 1 << 30  # the target's remaining budget may cap the depth
     given: int = 0  # leading levels taken as given: min_path_prob counts the path below them only
+    features: torch.Tensor | None = None  # EAGLE: [len(new_tokens), F] the target's features, row i the
+    # feature of the position before new_tokens[i] (the first request's: the prompt's from its second token)
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,7 @@ class _Node:
     score: float  # cumulative draft log-probability of the path
     depth: int
     column: int = -1  # batch column once the node has been fed to the model
+    feature: torch.Tensor | None = None  # EAGLE: the head's output at the node once fed: its children's input
 
 
 @dataclass
@@ -96,6 +109,12 @@ class Expansion:
     frontier: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
     level: int = 0
+    root_feature: torch.Tensor | None = None  # EAGLE: the head's output at the last committed token
+
+    def feature(self, node: int) -> torch.Tensor:
+        """The feature fed with `node`: its parent's output (EAGLE)."""
+        parent = self.nodes[node].parent
+        return self.root_feature if parent == ROOT else self.nodes[parent].feature
 
     def grow_sampled(self, parent: int, logits: torch.Tensor) -> None:
         """A sampled chain's next node, drawn from the warped logits [V] below `parent`."""
@@ -142,46 +161,60 @@ class Expansion:
 class Drafter:
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.eagle = isinstance(model, EagleHead)
         self.passes: list[Pass] | None = None  # a list: every forward pass's shape is appended to it
 
     @property
     def device(self) -> torch.device:
         return fw.device_of(self.model)
 
+    @property
+    def taps(self) -> tuple[int, ...] | None:
+        """The target features this drafter drafts from (None: none; see TargetModel.start)."""
+        return self.model.taps if self.eagle else None
+
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> DraftSequence:
         """A sequence for `prompt_ids`. The first draft's settings are those of the Drafter
-        interface (spec/decode.py); in this process nothing can run beside the target's prefill."""
-        return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, len(prompt_ids) + 64))
+        interface (spec/decode.py); in this process nothing can run beside the target's prefill.
+        An EAGLE head's sequence starts at the second token, whose feature is the first's."""
+        tokens = list(prompt_ids[1:] if self.eagle else prompt_ids)
+        return DraftSequence(tokens, KV.allocate(self.model, 1, len(tokens) + 64))
 
     def propose(self, seq: DraftSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
                 generator: torch.Generator | None = None, max_depth: int = 1 << 30,
-                deadline_ms: float | None = None) -> DraftTree:
+                deadline_ms: float | None = None, features: torch.Tensor | None = None) -> DraftTree:
         """Append `new_tokens` to the committed sequence and draft a tree below its last token,
         at most max_depth deep (the target's remaining budget less its bonus token). `deadline_ms`
-        is for a remote drafter; a draft computed here costs the caller its own time either way."""
-        return self.propose_batch([DraftJob(seq, new_tokens, cfg, sampling, generator, max_depth)])[0]
+        is for a remote drafter; a draft computed here costs the caller its own time either way.
+        `features`: an EAGLE head's, as DraftJob.features."""
+        return self.propose_batch([DraftJob(seq, new_tokens, cfg, sampling, generator, max_depth,
+                                            features=features)])[0]
 
     @torch.inference_mode()
     def propose_batch(self, jobs: list[DraftJob], stop=None) -> list[DraftTree]:
         """Draft for several sequences at once: one forward pass per tree level for all of them.
         `stop()`, if given, is asked before every level after the first; True raises Interrupted."""
-        before = [(len(j.seq.tokens), j.seq.cached) for j in jobs]
+        before = [(len(j.seq.tokens), j.seq.cached, j.seq.features) for j in jobs]
         try:
             return self._propose_batch(jobs, stop)
         except BaseException:  # leave every sequence as it was, so the caller may retry or isolate
-            for job, (length, cached) in zip(jobs, before):
+            for job, (length, cached, features) in zip(jobs, before):
                 del job.seq.tokens[length:]
                 job.seq.cached = cached
                 job.seq.kv.cut(cached)
                 job.seq.kept = {}
+                job.seq.features = features
             raise
 
     def _propose_batch(self, jobs: list[DraftJob], stop) -> list[DraftTree]:
         for job in jobs:
             job.seq.tokens.extend(job.new_tokens)
-            reuse(job.seq, job.new_tokens)
-        roots: dict[int, torch.Tensor] = {}
+            if self.eagle:
+                self._absorb(job)
+            else:
+                reuse(job.seq, job.new_tokens)
+        roots: dict[int, torch.Tensor] = {}  # job -> the last output at its last committed token [H]
         for i, job in enumerate(jobs):  # prompts alone: no padding everyone else to their length
             if len(jobs) > 1 and (job.seq.cached == 0 or len(job.seq.tokens) - job.seq.cached > SOLO_INGEST):
                 roots[i] = _Batch(self.model, [job], self.passes).ingest([0])[0]
@@ -191,16 +224,38 @@ class Drafter:
         rest = [i for i in range(len(jobs)) if i not in roots]
         if rest:
             roots.update(zip(rest, batch.ingest(rest)))
-        logits = torch.stack([roots[i] for i in range(len(jobs))])
-        _grow(expansions, list(range(len(jobs))), [[ROOT]] * len(jobs), logits)
+        hidden = torch.stack([roots[i] for i in range(len(jobs))])
+        if self.eagle:
+            for e, h in zip(expansions, hidden):
+                e.root_feature = h
+        _grow(expansions, list(range(len(jobs))), [[ROOT]] * len(jobs), _logits(self.model, hidden))
         while active := [i for i, e in enumerate(expansions) if e.wants_more()]:
             if stop is not None and stop():
                 raise Interrupted()
             batch.retire_all_but(active, expansions)
             parents = [expansions[i].frontier for i in active]
-            _grow(expansions, active, parents, batch.feed(active, expansions))
+            _grow(expansions, active, parents, _logits(self.model, batch.feed(active, expansions)))
         batch.retire_all_but([], expansions)
         return [e.tree() for e in expansions]
+
+    def _absorb(self, job: DraftJob) -> None:
+        """EAGLE: queue the new tokens' features behind the waiting ones, and forget the last
+        draft's nodes (they are ingested again, from the target's features)."""
+        seq = job.seq
+        seq.kept = {}
+        seq.kv.cut(seq.cached)
+        width = self.model.feature_width
+        rows = 0 if job.features is None else job.features.shape[0]
+        if rows != len(job.new_tokens) and not (seq.cached == 0 and seq.features is None):
+            raise ValueError(f"{len(job.new_tokens)} new tokens came with {rows} feature rows")
+        if job.features is not None:
+            if job.features.ndim != 2 or job.features.shape[1] != width:
+                raise ValueError(f"features must be [rows, {width}], not {list(job.features.shape)}")
+            lifted = self.model.lift(job.features.to(self.device))
+            seq.features = lifted if seq.features is None else torch.cat([seq.features, lifted])
+        waiting = 0 if seq.features is None else seq.features.shape[0]
+        if waiting != len(seq.tokens) - seq.cached or not len(seq.tokens):
+            raise ValueError(f"{len(seq.tokens) - seq.cached} tokens to ingest have {waiting} features")
 
 
 def reuse(seq: DraftSequence, new_tokens: list[int]) -> None:
@@ -219,6 +274,11 @@ def reuse(seq: DraftSequence, new_tokens: list[int]) -> None:
         seq.kv.copy_columns(0, torch.tensor(path), seq.kv, 0, at=seq.cached)
         seq.cached += len(path)
     seq.kv.cut(seq.cached)
+
+
+def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """[..., H] outputs -> [..., V] float32 logits, by the LM's head or an EAGLE head's."""
+    return model.logits(hidden) if isinstance(model, EagleHead) else fw.lm_head(model, hidden)
 
 
 def _grow(expansions: list[Expansion], jobs: list[int], parents: list[list[int]], logits: torch.Tensor) -> None:
@@ -276,8 +336,8 @@ class _Batch:
         return len(self.jobs) == 1
 
     def ingest(self, jobs: list[int]) -> list[torch.Tensor]:
-        """Feed each job's uncached committed tokens (causally, padded to the longest); return the
-        logits after each one's last token: [V] per job."""
+        """Feed each job's uncached committed tokens (causally, padded to the longest), with their
+        waiting features for an EAGLE head; return the output at each one's last token: [H] per job."""
         start = self.kv.length
         fresh = [self.jobs[i].seq.tokens[self.jobs[i].seq.cached:] for i in jobs]
         m = max(len(f) for f in fresh)
@@ -286,21 +346,26 @@ class _Batch:
         positions = torch.zeros(rows, m, dtype=torch.long)
         attend = torch.zeros(rows, m, start + m, dtype=torch.bool)
         attend[:, :, start:] = torch.ones(m, m, dtype=torch.bool).tril()  # causal; padding sees itself
+        features = self._features(rows, m)
         for i, f in zip(jobs, fresh):
             r = self.row[i]
+            seq = self.jobs[i].seq
             tokens[r, :len(f)] = torch.tensor(f)
-            positions[r] = self.jobs[i].seq.cached + torch.arange(m)
+            positions[r] = seq.cached + torch.arange(m)
             attend[r, :, :start] = self.visible[r, :start]
+            if features is not None:
+                features[r, :len(f)] = seq.features
+                seq.features = None
             self.visible[r, start:start + len(f)] = True
             self.ingested[i] = list(range(start, start + len(f)))
-            self.jobs[i].seq.cached += len(f)
-        hidden = self._forward(tokens, positions, attend, heads=len(jobs))
-        last = torch.stack([hidden[self.row[i], len(f) - 1] for i, f in zip(jobs, fresh)])
-        return list(fw.lm_head(self.model, last))
+            seq.cached += len(f)
+        hidden = self._forward(tokens, positions, attend, features, heads=len(jobs))
+        return [hidden[self.row[i], len(f) - 1] for i, f in zip(jobs, fresh)]
 
     def feed(self, jobs: list[int], expansions: list[Expansion]) -> torch.Tensor:
-        """Feed each job's frontier nodes with tree attention; return their logits, job after job
-        in frontier order: [sum of frontier sizes, V]."""
+        """Feed each job's frontier nodes with tree attention (an EAGLE head: each with its parent's
+        output, and keeps each node's own); return their outputs, job after job in frontier
+        order: [sum of frontier sizes, H]."""
         start = self.kv.length
         width = max(len(expansions[i].frontier) for i in jobs)
         rows = len(self.row)
@@ -329,12 +394,28 @@ class _Batch:
         tokens[q_row, q_col] = torch.tensor(q_token)
         positions[q_row, q_col] = torch.tensor(q_position)
         attend[q_row, q_col] = (sees | self.visible[q_row])[:, :start + width]
-        hidden = self._forward(tokens, positions, attend, heads=len(q_row))
-        return fw.lm_head(self.model, hidden[q_row, q_col])
+        features = self._features(rows, width)
+        if features is not None:
+            features[q_row, q_col] = torch.stack([expansions[i].feature(n) for i in jobs for n in expansions[i].frontier])
+        hidden = self._forward(tokens, positions, attend, features, heads=len(q_row))[q_row, q_col]
+        if features is not None:
+            for (i, n), h in zip(((i, n) for i in jobs for n in expansions[i].frontier), hidden):
+                expansions[i].nodes[n].feature = h
+        return hidden
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, heads: int) -> torch.Tensor:
+    def _features(self, rows: int, width: int) -> torch.Tensor | None:
+        """Zeroed input features [rows, width, H] for an EAGLE head's pass (None for an LM)."""
+        if not isinstance(self.model, EagleHead):
+            return None
+        weight = self.model.get_input_embeddings().weight
+        return weight.new_zeros(rows, width, self.model.config.hidden_size)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
+                 features: torch.Tensor | None, heads: int) -> torch.Tensor:
         if self.passes is not None:
             self.passes.append(Pass(tokens.shape[0], tokens.shape[1], self.kv.length, heads))
+        if features is not None:
+            return self.model.decode(self.kv, tokens, positions, attend, features)
         return fw.forward(self.model, self.kv, tokens, positions, attend)
 
     def retire_all_but(self, active: list[int], expansions: list[Expansion]) -> None:

@@ -26,15 +26,17 @@ def cache_len(cache: DynamicCache) -> int:
 
 @torch.inference_mode()
 def forward(model, cache: DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
-            attend: torch.Tensor) -> torch.Tensor:
+            attend: torch.Tensor, taps: tuple[int, ...] = ()):
     """Run `tokens` through the model's decoder, appending their keys/values to `cache`.
 
     tokens:    [B, m] int64 (or [m]: a batch of one)
     positions: [B, m] int64 rotary positions
     attend:    [B, m, past + m] bool, True where a new token may attend to a cached/new column
     Returns the final-norm hidden states [B, m, H] (or [m, H]): what the LM head reads, and the
-    feature a feature-level (EAGLE) drafter consumes. Apply `lm_head` only to the rows you need:
-    for a small draft model the head is a quarter of the work.
+    feature an EAGLE-1 head consumes. Apply `lm_head` only to the rows you need: for a small draft
+    model the head is a quarter of the work. With `taps` (indices into transformers' hidden_states:
+    0 the embeddings, i layer i's output), returns (final hidden states, the tapped ones side by
+    side [.., len(taps) x H]): an EAGLE-3 head's feature.
     """
     squeeze = tokens.ndim == 1
     if squeeze:
@@ -44,10 +46,13 @@ def forward(model, cache: DynamicCache, tokens: torch.Tensor, positions: torch.T
     mask.masked_fill_(~attend.to(head.device), torch.finfo(head.dtype).min)
     out = model.get_decoder()(
         input_ids=tokens.to(head.device), position_ids=positions.to(head.device), attention_mask=mask[:, None],
-        cache=cache, use_cache=True,
+        cache=cache, use_cache=True, output_hidden_states=bool(taps),
     )
     hidden = out.last_hidden_state
-    return hidden[0] if squeeze else hidden
+    if not taps:
+        return hidden[0] if squeeze else hidden
+    tapped = torch.cat([out.hidden_states[i] for i in taps], dim=-1)
+    return (hidden[0], tapped[0]) if squeeze else (hidden, tapped)
 
 
 @torch.inference_mode()

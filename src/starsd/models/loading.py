@@ -106,6 +106,50 @@ def logits_width(model: torch.nn.Module) -> int:
     return model.config.vocab_size
 
 
+def load_eagle(head: ModelConfig, target: ModelConfig, cache: str | None = None,
+               target_model: torch.nn.Module | None = None):
+    """An EAGLE head (models/eagle.py) for `target`, holding the target's embedding and LM head:
+    those of `target_model` when it is loaded in this process, else read from the target's
+    weights alone (a draft server has no use for the rest of the target)."""
+    from starsd.models import eagle
+
+    if target_model is None:
+        config, embed, lm_head = _target_ends(target, cache)
+    else:
+        config, embed, lm_head = target_model.config, target_model.get_input_embeddings(), target_model.get_output_embeddings()
+    dtype = getattr(torch, head.dtype)
+    return eagle.load(head.path, config, embed.to(head.device, dtype), lm_head.to(head.device, dtype), dtype, head.device)
+
+
+def _target_ends(target: ModelConfig, cache: str | None):
+    """The target's config, embedding and LM head, read from its safetensors without the layers."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    where = Path(resolve(target.path, cache))
+    try:
+        config = AutoConfig.from_pretrained(where)
+    except Exception as e:
+        raise ModelLoadError(_not_found(target.path, e)) from e
+    index = where / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    names = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight"}
+    weights = {}
+    for key, name in names.items():
+        file = where / (files.get(name, "") if files else "model.safetensors")
+        if files is not None and name not in files or not file.exists():
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():
+                weights[key] = f.get_tensor(name)
+    if "embed" not in weights:
+        raise ModelLoadError(f"{target.path}: no {names['embed']} in its safetensors: an EAGLE head needs it")
+    embed = torch.nn.Embedding.from_pretrained(weights["embed"], freeze=True)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    head.weight = torch.nn.Parameter(weights.get("head", weights["embed"]), requires_grad=False)  # tied: the embedding
+    return config, embed, head
+
+
 def eos_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
     """Every token that ends a generation: the tokenizer's EOS and the model's generation config's."""
     ids = set()

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from starsd.config import DraftConfig, ModelConfig, SamplingConfig
+from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig
 from starsd.models.drafter import Drafter
-from starsd.models.loading import check_pair, eos_ids, load_model, load_tokenizer, logits_width
+from starsd.models.loading import check_pair, eos_ids, load_eagle, load_model, load_tokenizer, logits_width
 from starsd.models.target import TargetModel
 from starsd.prompts import Prompt
 from starsd.spec.decode import Generation, speculative, target_only
@@ -23,14 +23,17 @@ class Pair:
 
     @classmethod
     def load(cls, target_cfg: ModelConfig, draft_cfg: ModelConfig | None, cache: str | None = None,
-             threads: int = 0) -> "Pair":
-        """Load the target (and the draft, unless None); refuse a draft with another vocabulary."""
+             threads: int = 0, eagle: ModelConfig | None = None) -> "Pair":
+        """Load the target (and the draft, unless None, or the EAGLE head `eagle` instead); refuse a
+        draft with another vocabulary."""
         if threads:
             torch.set_num_threads(threads)
         tokenizer = load_tokenizer(target_cfg.path, cache)
         target = load_model(target_cfg, cache)
         drafter = None
-        if draft_cfg is not None:
+        if eagle is not None:
+            drafter = Drafter(load_eagle(eagle, target_cfg, cache, target))
+        elif draft_cfg is not None:
             draft_tok = load_tokenizer(draft_cfg.path, cache)
             draft = load_model(draft_cfg, cache)
             check_pair(tokenizer, logits_width(target), draft_tok, logits_width(draft))
@@ -38,10 +41,22 @@ class Pair:
         return cls(TargetModel(target), drafter, tokenizer, eos_ids(target, tokenizer))
 
     def generate(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingConfig,
-                 draft: DraftConfig | None) -> Generation:
+                 draft: DraftConfig | None, drafter=None) -> Generation:
+        """Target-only decoding (draft None), or speculative with the pair's drafter or `drafter`."""
         ids = prompt.encode(self.tokenizer)
         if draft is None:
             return target_only(self.target, ids, max_new_tokens, sampling, self.eos_ids)
-        if self.drafter is None:
+        drafter = drafter or self.drafter
+        if drafter is None:
             raise ValueError("speculative decoding needs a draft model")
-        return speculative(self.target, self.drafter, ids, max_new_tokens, draft, sampling, self.eos_ids)
+        return speculative(self.target, drafter, ids, max_new_tokens, draft, sampling, self.eos_ids)
+
+
+def load_drafter(cfg: PairConfig) -> tuple[Drafter, object]:
+    """A draft server's drafter and the tokenizer whose ids it drafts: the EAGLE head, when the
+    config names one (with the target's tokenizer), else the draft model."""
+    if cfg.eagle:
+        head = load_eagle(cfg.eagle_model(), cfg.target_model(), cfg.cache)
+        return Drafter(head), load_tokenizer(cfg.target, cfg.cache)
+    draft = cfg.draft_model()
+    return Drafter(load_model(draft, cfg.cache)), load_tokenizer(draft.path, cfg.cache)

@@ -4,6 +4,10 @@ A TargetSequence holds one generation stream. Its KV cache covers every token bu
 *pending* token, which is the root of the next draft tree: one forward pass over
 [pending] + tree nodes scores the whole draft (tree attention), and `commit` keeps only the
 accepted path.
+
+For an EAGLE drafter, a pass also keeps each of its positions' *features* (models/eagle.py: the
+last hidden state, or the outputs of some layers side by side): `start` and `score` take which
+(`taps`; None for none), and `seq.features` holds those of the last pass.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ class TargetSequence:
     tokens: list[int]  # prompt + generated; the cache covers tokens[:-1]
     cache: object
     scored: int = 0  # nodes of the last scored tree, still in the cache until commit
-    hidden: torch.Tensor | None = field(default=None, repr=False)  # [n+1, H] of the last score, if asked
+    features: torch.Tensor | None = field(default=None, repr=False)  # [rows of the last pass, F], if asked:
+    # the prefill's (every prompt token's but the pending one's; None for none), or the root's and each node's
 
 
 class TargetModel:
@@ -33,16 +38,17 @@ class TargetModel:
     def device(self) -> torch.device:
         return fw.device_of(self.model)
 
-    def start(self, prompt_ids: list[int]) -> TargetSequence:
+    def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None) -> TargetSequence:
         """Prefill the prompt (all but its last token, which becomes the pending root)."""
         seq = TargetSequence(list(prompt_ids), fw.new_cache(self.model))
         body = torch.tensor(prompt_ids[:-1], dtype=torch.long)
-        if body.numel():
-            m = body.shape[0]
-            fw.forward(self.model, seq.cache, body, torch.arange(m), torch.ones(m, m).tril().bool())
+        m = body.shape[0]
+        if m:
+            out = fw.forward(self.model, seq.cache, body, torch.arange(m), torch.ones(m, m).tril().bool(), taps or ())
+            seq.features = _features(out, taps)
         return seq
 
-    def score(self, seq: TargetSequence, tree: DraftTree, want_hidden: bool = False) -> torch.Tensor:
+    def score(self, seq: TargetSequence, tree: DraftTree, taps: tuple[int, ...] | None = None) -> torch.Tensor:
         """Target logits after the root and after each node: [n+1, V] float32, in one forward pass."""
         if seq.scored:
             raise RuntimeError("score() called twice without commit()")
@@ -52,13 +58,13 @@ class TargetModel:
         positions = past + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])
         attend = torch.cat([torch.ones(n + 1, past, dtype=torch.bool), ancestor_mask(tree.parents)], dim=1)
         try:
-            hidden = fw.forward(self.model, seq.cache, tokens, positions, attend)
+            out = fw.forward(self.model, seq.cache, tokens, positions, attend, taps or ())
         except BaseException:  # a pass that fails part-way leaves some layers longer: cut them back
             fw.truncate(seq.cache, past)
             raise
         seq.scored = n
-        seq.hidden = hidden if want_hidden else None
-        return fw.lm_head(self.model, hidden)
+        seq.features = _features(out, taps)
+        return fw.lm_head(self.model, out[0] if isinstance(out, tuple) else out)
 
     def commit(self, seq: TargetSequence, verdict: Verdict) -> None:
         """Keep the root and the accepted path in the cache; the last emitted token becomes pending."""
@@ -67,3 +73,10 @@ class TargetModel:
         fw.keep_positions(seq.cache, root + 1, kept)
         seq.tokens.extend(verdict.tokens)
         seq.scored = 0
+
+
+def _features(out, taps: tuple[int, ...] | None) -> torch.Tensor | None:
+    """The features asked of a pass: its tapped hidden states, or its final ones (taps == ())."""
+    if taps is None:
+        return None
+    return out[1] if taps else out

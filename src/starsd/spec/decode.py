@@ -3,8 +3,10 @@
 Both loops share the target's forward pass and the sampling code, so greedy speculative output can
 be compared token for token with target-only output. They work on interfaces, not on models:
 a target has `device`, `start`, `score` and `commit` (models.target.TargetModel, or a replay
-target); a drafter has `device`, `start` and `propose` (models.drafter.Drafter in this process,
-star.client.RemoteDrafter on a draft server). `start` is told the first step's draft before the
+target); a drafter has `device`, `taps`, `start` and `propose` (models.drafter.Drafter in this
+process, star.client.RemoteDrafter on a draft server). A drafter whose `taps` is not None drafts
+from the target's features (an EAGLE head): each committed token goes to it with the target's
+feature of the position before it. `start` is told the first step's draft before the
 target's prefill, so that a remote drafter can draft while the target prefills. Each random generator lives on the device of the
 tensors it draws for."""
 
@@ -14,6 +16,8 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.spec.depth import DepthPolicy
@@ -138,34 +142,40 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
     def pick(budget: int) -> int:  # at most budget tokens come out: budget-1 drafted + 1
         return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
 
+    taps = drafter.taps
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     dseq = drafter.start(prompt_ids, draft_cfg, sampling, depth)  # a remote draft may start before the prefill
     t_prefill = time.perf_counter()
-    seq = target.start(prompt_ids)
+    seq = target.start(prompt_ids) if taps is None else target.start(prompt_ids, taps)
     if policy:
         policy.prefill((time.perf_counter() - t_prefill) * 1e3)
     new_tokens: list[int] = []  # committed, not yet given to the drafter
+    new_features = [] if taps is None or seq.features is None else [seq.features]  # theirs, for a feature-level drafter
     produced = 0
     done = max_new_tokens <= 0
     while not done:
         budget = max_new_tokens - produced
         if produced:
             depth = pick(budget)
+        elif taps is not None and len(prompt_ids) < 2:
+            depth = 0  # one token has no feature before it: nothing for a head to draft from yet
         draft_ms = None
         if depth > 0:
             deadline_ms = policy.deadline_ms(depth) if policy else None
             t_draft = time.perf_counter()
             tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth,
-                                   deadline_ms=deadline_ms)
+                                   deadline_ms=deadline_ms,
+                                   features=torch.cat(new_features) if new_features else None)
             draft_ms = (time.perf_counter() - t_draft) * 1e3
             new_tokens = []
+            new_features = []
             tree = tree.truncate(depth)
             if policy and len(tree) == 0 and draft_ms >= deadline_ms:
                 policy.missed(depth, draft_ms)
         else:
             tree = DraftTree.empty()
         t_verify = time.perf_counter()
-        logits = target.score(seq, tree)
+        logits = target.score(seq, tree) if taps is None else target.score(seq, tree, taps)
         verdict = verify(tree, logits, sampling, verify_gen)
         if policy:
             policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1,
@@ -174,5 +184,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         produced += len(emitted)
         yield Step(emitted, verdict.num_accepted, tree.depth(), depth, time.time())
         if not done:
+            if taps is not None:  # the root's feature, then each accepted node's
+                new_features.append(seq.features[torch.tensor([0] + [p + 1 for p in verdict.path])])
             target.commit(seq, verdict)
             new_tokens += verdict.tokens

@@ -88,6 +88,7 @@ class DraftClient:
         self.sock = self._socket()
         self.tag = 0
         self.step = 0
+        self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
 
     def _socket(self) -> zmq.Socket:
         return connect(self.ctx, self.address, self.keys)
@@ -109,6 +110,7 @@ class DraftClient:
             return None
         welcome = got[0]
         self.tag = welcome.tag
+        self.taps = None if welcome.taps is None else tuple(welcome.taps)
         if self.heartbeat_s > 0:
             if self._heartbeat:
                 self._heartbeat.stop()
@@ -150,13 +152,14 @@ class DraftClient:
         return self.receive_draft()
 
     def send_draft(self, tokens: list[int], budget: int, draft: DraftConfig | None = None,
-                   sampling: SamplingConfig | None = None) -> None:
-        """The first half of draft(): the request goes out; receive_draft() must come before the next."""
+                   sampling: SamplingConfig | None = None, features: tuple[torch.Tensor, ...] = ()) -> None:
+        """The first half of draft(): the request goes out; receive_draft() must come before the next.
+        `features`: the tokens' target features as protocol.features_to_wire gives them."""
         reset = draft is not None
         if reset:
             self.step += 1
-        t = torch.tensor(tokens, dtype=torch.int32)
-        self._send(P.DraftRequest(self.tag, self.step, reset, draft, sampling, budget, P.specs(t)), (t,))
+        tensors = (torch.tensor(tokens, dtype=torch.int32), *features)
+        self._send(P.DraftRequest(self.tag, self.step, reset, draft, sampling, budget, P.specs(*tensors)), tensors)
 
     def receive_draft(self, until: float | None = None) -> tuple[P.DraftReply, tuple] | None:
         """The second half of draft(): the reply to the request sent last. With `until` (monotonic
@@ -271,6 +274,26 @@ class RemoteSequence:
     # tokens once it is taken. Set by start()'s early reset and by a draft that missed its deadline.
     pending_since: float = 0.0  # when that request went out (monotonic s)
     alone_until: float = 0.0  # no drafts before this (monotonic s): the server refused this stream for want of room
+    taps: tuple[int, ...] | None = None  # the target features this stream keeps for an EAGLE head (None: none)
+    features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: [rows, F] chunks, the features of
+    # tokens[1:] in order (row j: the target's feature at position j); a reset sends them all again
+
+    def feature_rows(self, start: int, bits: int) -> tuple[torch.Tensor, ...]:
+        """The wire frames of the features of tokens[start:] (a first token's row: zeros)."""
+        held = sum(len(c) for c in self.features)
+        if held != len(self.tokens) - 1:
+            raise RuntimeError(f"{len(self.tokens)} tokens but {held} feature rows")
+        need = len(self.tokens) - max(start, 1)  # rows from the end; only a reset reads them all
+        tail: list[torch.Tensor] = []
+        for chunk in reversed(self.features):
+            if need <= 0:
+                break
+            tail.insert(0, chunk[-need:])
+            need -= len(tail[0])
+        rows = torch.cat(tail) if tail else self.features[0][:0]
+        if start == 0:
+            rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])
+        return P.features_to_wire(rows, bits)
 
 
 @dataclass
@@ -345,20 +368,32 @@ class RemoteDrafter:
         """With settings and max_depth > 0, the stream's reset goes out at once: the draft server
         prefills the prompt and drafts while the target prefills it, and the first propose() finds
         its draft waiting (the draft's prefill no longer adds to the time to the first token)."""
-        seq = RemoteSequence(list(prompt_ids))
-        if cfg is not None and max_depth > 0 and not self.down and self.client.tag:
+        seq = RemoteSequence(list(prompt_ids), taps=self.taps)
+        if cfg is not None and max_depth > 0 and not self.down and self.client.tag and seq.taps is None:
             self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling)
             seq.pending = len(seq.tokens)
             seq.pending_since = time.monotonic()
         return seq
 
+    @property
+    def taps(self) -> tuple[int, ...] | None:
+        """The target features the server's drafter needs (None: tokens only), as its Welcome said."""
+        return self.client.taps
+
     def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
-                generator=None, max_depth: int = 1 << 30, deadline_ms: float | None = None) -> DraftTree:
+                generator=None, max_depth: int = 1 << 30, deadline_ms: float | None = None,
+                features: torch.Tensor | None = None) -> DraftTree:
         """`generator` is unused: a sampled draft draws from the server's per-session generator,
         seeded as the co-located drafter's is, so seeded runs match. A draft that has not come
         within `deadline_ms` (spec/depth.py) gives an empty draft; its request stays in flight, and
-        its reply is read, its draft dropped, before the next request goes out."""
+        its reply is read, its draft dropped, before the next request goes out. `features`: for an
+        EAGLE head, the target's features of the new tokens (spec/decode.py); a stream that began
+        without them, or for another head, decodes alone."""
         seq.tokens.extend(new_tokens)
+        if features is not None:
+            seq.features.append(features)
+        if seq.taps != self.taps:
+            return DraftTree.empty()
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
         until = None if deadline_ms is None else time.monotonic() + deadline_ms / 1e3
@@ -437,10 +472,11 @@ class RemoteDrafter:
             reply = self._settle(seq, until)
             if seq.sent == len(seq.tokens):  # start()'s reset, and nothing committed since: it answers this step
                 return reply
+        features = () if seq.taps is None else seq.feature_rows(seq.sent, cfg.feature_bits)
         if seq.sent == 0:
-            self.client.send_draft(seq.tokens, budget, cfg, sampling)
+            self.client.send_draft(seq.tokens, budget, cfg, sampling, features)
         else:
-            self.client.send_draft(seq.tokens[seq.sent:], budget)
+            self.client.send_draft(seq.tokens[seq.sent:], budget, features=features)
         seq.pending = len(seq.tokens)
         seq.pending_since = time.monotonic()
         return self._settle(seq, until)

@@ -88,7 +88,7 @@ class Star:
 
 def server_command(pair: PairConfig, server: ServerConfig) -> list[str]:
     """The `starsd draft-server` command line for these settings: the one place it is assembled."""
-    return ["draft-server", *to_flags(pair, skip=("target",)), *to_flags(server)]
+    return ["draft-server", *to_flags(pair), *to_flags(server)]  # the target's too: an EAGLE head holds its ends
 
 
 def target_server_command(pair: PairConfig, draft: DraftConfig, name: str, bind: str, connect: str = "",

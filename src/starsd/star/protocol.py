@@ -8,9 +8,13 @@ header's types, frame counts, dtypes, shapes against frame sizes, and the size l
 message that fails validation raises ProtocolError, which the server turns into an Error reply.
 
 One draft iteration of a session:
-  target -> server  DraftRequest(tag, step, tokens = committed since the last request [, hidden])
+  target -> server  DraftRequest(tag, step, tokens = committed since the last request [, features])
   server -> target  DraftReply(tag, step, tokens, parents [, q])
 The first request of a generation stream carries reset=True, the whole prompt and the settings.
+A server that drafts with an EAGLE head says in its Welcome which target features it needs
+(`taps`); each request then carries, for each token, the target's feature of the position before
+it (a reset's first row is zeros: the first token has none), as bfloat16 [m, F], or as uint8
+[m, F] with float32 [m, 2] (each row's min and step): see `features_to_wire`.
 
 A target server (star/target_server.py) speaks the same wire to whoever sends it work (the gateway):
   gateway -> target  Describe                       target -> gateway  TargetInfo
@@ -49,8 +53,9 @@ MAX_MESSAGES = 1 << 14  # a Generate's chat messages: each costs template tokens
 # oversized one before building it: a header of millions of tiny items (tensor specs, a shape's
 # dimensions, messages) used to cost the IO thread seconds and gigabytes, and came back quoted
 # in an Error megabytes long.
-MAX_TENSORS = 3  # a draft reply's tokens, parents and q
+MAX_TENSORS = 3  # a draft reply's tokens, parents and q; a request's tokens, features and their scales
 MAX_DTYPE_CHARS = 16
+MAX_TAPS = 8
 
 # Received frames are read-only buffers; tensors view them without copying and are never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -100,6 +105,8 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     tag: int  # the session tag: every later message of this session carries it
     server: str
     max_nodes: int  # config.MAX_DRAFT_NODES: no draft of this server has more
+    taps: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_TAPS)] | None = None  # the target features
+    # its drafter needs (models/eagle.py: () the last hidden state, else those hidden states); None: tokens only
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -109,7 +116,7 @@ class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
     draft: DraftConfig | None  # the draft's shape, required with reset (a map, by field name)
     sampling: SamplingConfig | None  # the target's sampling law, required with reset (ditto)
     budget: int  # tokens the target may still emit: no point drafting deeper than budget - 1
-    tensors: TensorSpecs  # tokens int32 [m]; optionally hidden states [m, H]
+    tensors: TensorSpecs  # tokens int32 [m]; for an EAGLE head, features [m, F] (bf16, or uint8 and scales [m, 2])
 
 
 class DraftReply(msgspec.Struct, array_like=True, frozen=True):
@@ -219,7 +226,8 @@ _FIELD_CODES = {
     MsgType.GENERATE: {"sampling": "bad_settings", "messages": "bad_request", "stop": "bad_request"},
 }
 _FIELD_AT = re.compile(r"at `\$\[(\d+)\]")  # a ValidationError's path into a header, e.g. "at `$[4].top_p`"
-_DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "uint8": torch.uint8}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -294,6 +302,40 @@ def _tensor(spec: TensorSpec, frame) -> torch.Tensor:
     return (raw.view(torch.bfloat16) if dtype == torch.bfloat16 else raw).view(spec.shape)
 
 
+def features_to_wire(features: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """A request's features [m, F] as frames: bfloat16, or uint8 codes with each row's (min, step)."""
+    if bits == 16:
+        return (features.to(torch.bfloat16),)
+    x = features.float()
+    low = x.min(dim=1, keepdim=True).values
+    step = ((x.max(dim=1, keepdim=True).values - low) / 255).clamp_min(1e-12)
+    codes = ((x - low) / step).round().clamp(0, 255).to(torch.uint8)
+    return codes, torch.cat([low, step], dim=1)
+
+
+def features_from_wire(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """features_to_wire's frames -> float32 [m, F] (validated by `decode`)."""
+    if tensors[0].dtype != torch.uint8:
+        return tensors[0].float()
+    scales = tensors[1]
+    return tensors[0].float() * scales[:, 1:] + scales[:, :1]
+
+
+def _check_features(tensors: tuple[torch.Tensor, ...], m: int) -> None:
+    f = tensors[0]
+    if f.ndim != 2 or f.shape[0] != m or not 0 < f.shape[1] <= MAX_HIDDEN:
+        raise ProtocolError("bad_request", f"features must be [m, F] for the {m} tokens, not {list(f.shape)}")
+    if f.dtype == torch.uint8:
+        if len(tensors) != 2 or tensors[1].dtype != torch.float32 or tuple(tensors[1].shape) != (m, 2):
+            raise ProtocolError("bad_request", "8-bit features come with float32 scales [m, 2]")
+        if not bool(torch.isfinite(tensors[1]).all()):
+            raise ProtocolError("bad_request", "feature scales must be finite")
+    elif len(tensors) != 1 or f.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ProtocolError("bad_request", "features are bfloat16/float16/float32, or uint8 with scales")
+    elif not bool(torch.isfinite(f).all()):
+        raise ProtocolError("bad_request", "features must be finite")
+
+
 def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
     """Checks beyond types: sizes and the shape of each message's payload."""
     if isinstance(msg, DraftRequest):
@@ -302,9 +344,8 @@ def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
         m = tensors[0].shape[0]
         if not 0 < m <= MAX_TOKENS_PER_REQUEST:
             raise ProtocolError("bad_request", f"a draft request carries 1..{MAX_TOKENS_PER_REQUEST} tokens, not {m}")
-        if len(tensors) > 2 or (len(tensors) == 2 and (tensors[1].ndim != 2 or tensors[1].shape[0] != m
-                                                       or tensors[1].shape[1] > MAX_HIDDEN)):
-            raise ProtocolError("bad_request", "optional hidden states must be [m, H] for the m tokens")
+        if len(tensors) > 1:
+            _check_features(tensors[1:], m)
         if msg.reset and (msg.draft is None or msg.sampling is None):
             raise ProtocolError("bad_request", "a reset request must carry draft and sampling settings")
         if msg.budget < 1:

@@ -167,12 +167,12 @@ class DraftServer:
         try:
             if isinstance(msg, P.Hello):
                 s = self.sessions.open(req.peer, msg, req.user)
-                self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES))
+                self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:
                 self.stats.count("requests")
-                return self.sessions.admit(req.peer, req.user, msg, req.tensors[0])
+                return self.sessions.admit(req.peer, req.user, msg, req.tensors)
         except Refused as r:
             self._refuse(req, r.code, str(r))
         except Exception as e:  # a request that breaks its handling costs only itself
@@ -201,7 +201,8 @@ class DraftServer:
     def _predraft_todo(self) -> list[Session]:
         """The sessions to pre-draft now: none while the server has been nearly saturated (past N_full
         the gaps between batches are too short to use), else up to ahead.ROWS idle chain sessions."""
-        if not self.cfg.predraft or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY:
+        if (not self.cfg.predraft or self.drafter.taps is not None  # a head cannot guess the target's features
+                or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY):
             return []
         return [s for s in self.sessions if ahead.eligible(s)][:ahead.ROWS]
 
@@ -234,7 +235,7 @@ class DraftServer:
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()
         jobs = [DraftJob(s.seq, [] if r.msg.reset else s.carry + r.tensors[0].tolist(), s.draft, s.sampling,
-                         s.generator, max_depth=r.msg.budget - 1) for s, r in items]
+                         s.generator, max_depth=r.msg.budget - 1, features=self._features(r)) for s, r in items]
         states = [None if s.generator is None else s.generator.get_state() for s, _ in items]
         try:
             trees = self.drafter.propose_batch(jobs)
@@ -246,6 +247,14 @@ class DraftServer:
             s.carry = []
             s.last_chain = tree.tokens.tolist() if s.draft.is_chain and tree.q is None else []
             self._reply(s, r, tree, start, end, len(items))
+
+    def _features(self, req: Request) -> torch.Tensor | None:
+        """An EAGLE head's input from a request: its tokens' target features (a reset's from its
+        second token on: the drafter's sequence starts there)."""
+        if self.drafter.taps is None:
+            return None
+        features = P.features_from_wire(req.tensors[1:])
+        return features[1:] if req.msg.reset else features
 
     def _isolate(self, items: list[tuple[Session, Request]], states: list) -> None:
         """A failed batch: retry its requests one by one, so only the culprit fails. The drafter

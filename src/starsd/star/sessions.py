@@ -107,12 +107,16 @@ class Sessions:
         s.last_seen = time.monotonic()
         return s
 
-    def admit(self, peer: bytes, user: str, msg: P.DraftRequest, tokens: torch.Tensor) -> Session:
+    def admit(self, peer: bytes, user: str, msg: P.DraftRequest, tensors: tuple[torch.Tensor, ...]) -> Session:
         """Check a draft request against its session and apply a reset; the request is taken
         (next_step advances) only if nothing is refused. Raises Refused."""
         s = self.owned(peer, user, msg.tag)
+        tokens = tensors[0]
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
             raise Refused("bad_tokens", f"token ids must lie in [0, {self.vocab_size})")
+        if self.drafter.taps is not None and (len(tensors) < 2 or tensors[1].shape[1] != self.drafter.model.feature_width):
+            raise Refused("bad_features", f"this server drafts with an EAGLE head: each token needs the target's "
+                          f"features [m, {self.drafter.model.feature_width}] (taps {self.drafter.taps})")
         if msg.reset:
             s.seq = None  # the old stream's state goes whether or not the new one is admitted
         elif s.seq is None:
