@@ -186,3 +186,33 @@ def test_star_with_eagle_head_is_lossless_for_several_targets(dirs, local):
         assert r["draft"]["requests"] >= r["num_steps"] - 1  # every step but perhaps the last was drafted
     for p, g in zip(prompts, eight):
         assert g.token_ids == refs[p.id] and sum(g.depths) > 0
+
+
+def test_replay_targets_send_the_recorded_features(dirs, local, tmp_path):
+    """A replay target's features are the real target's (recorded in one pass over prompt and
+    continuation), and the service sweep drafts with a head from them."""
+    from starsd.bench.harness import measure_service
+    from starsd.emulate.replay import LatencyProfile, ReplayTarget, load_features, record, record_features, recording_path
+
+    cfg = ModelConfig(dirs["target"], dtype="float32")
+    prompts = humaneval()[:2]
+    rec = record(cfg, prompts, 12, str(tmp_path), log=lambda *_: None)
+    rec_file = recording_path(cfg, prompts, 12, str(tmp_path))
+    drafter = Drafter(head(dirs, local, "eagle3"))
+    record_features(cfg, rec, rec_file, drafter.taps, str(tmp_path), log=lambda *_: None)
+    replay = ReplayTarget(rec, LatencyProfile({1: (1e-3,)}), features=load_features(rec_file, drafter.taps))
+    ids = prompts[0].encode(local.tokenizer)
+    seq, real = replay.start(ids, drafter.taps), local.target.start(ids, drafter.taps)
+    torch.testing.assert_close(seq.features.float(), real.features, atol=2e-2, rtol=2e-2)  # stored in bf16
+    cont = rec.prompts[prompts[0].id]["continuation"]
+    from starsd.spec.tree import DraftTree
+
+    tree = DraftTree(torch.tensor([cont[0], cont[0] + 1, cont[1]]), torch.tensor([-1, -1, 0]))  # node 1 is off the path
+    replay.score(seq, tree, drafter.taps)
+    local.target.score(real, tree, drafter.taps)
+    on_path = torch.tensor([0, 1, 3])
+    torch.testing.assert_close(seq.features[on_path].float(), real.features[on_path], atol=2e-2, rtol=2e-2)
+    assert not seq.features[2].any()
+    sweep = measure_service(drafter, rec, [1, 2], TREE, reps=1, rows_per_size=2,
+                            features=load_features(rec_file, drafter.taps))
+    assert all(v["service_ms"] and min(v["service_ms"]) > 0 and min(v["bound_ms"]) > 0 for v in sweep.values())

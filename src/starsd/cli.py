@@ -311,7 +311,8 @@ def cmd_replay_targets(args) -> int:
     torch.set_num_threads(1)  # replay targets only sleep; leave the cores to the draft server
     host = Host(args.connect, Recording.load(args.recording), LatencyProfile.load(args.latency), args.targets,
                 args.max_new_tokens, C.from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,
-                args.duration_s, args.seed, args.timeout, keys=C.from_args(C.ClientKeys, args))
+                args.duration_s, args.seed, args.timeout, keys=C.from_args(C.ClientKeys, args),
+                recording_file=args.recording)
     return host.run(args.wait_go)
 
 

@@ -105,9 +105,8 @@ class PairConfig:
         return ModelConfig(self.draft, device, resolve_dtype(self.dtype, device), quantize)
 
     def eagle_model(self) -> ModelConfig:
-        """Where and how an EAGLE head runs: the draft's device, in the target's dtype (never quantised)."""
-        device = self.draft_device or self.device
-        return ModelConfig(self.eagle, device, resolve_dtype(self.dtype, device))
+        """Where and how an EAGLE head runs: as the draft model would (device, dtype, quantisation)."""
+        return dataclasses.replace(self.draft_model(), path=self.eagle)
 
     @property
     def cache(self) -> str | None:

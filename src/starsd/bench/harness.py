@@ -18,10 +18,13 @@ import torch
 
 from starsd import config as C
 from starsd.bench import metrics
-from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget, measure_latency, record, recording_path
+from starsd.emulate.replay import (LatencyProfile, Recording, ReplayTarget, measure_latency, record, record_features,
+                                   recording_path)
 from starsd.models import forward as fw
 from starsd.models.drafter import DraftJob, Drafter, Pass
+from starsd.models.eagle import EagleHead
 from starsd.models.kv import KV
+from starsd.models.loading import load_eagle
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps
@@ -90,6 +93,8 @@ def prepare(args) -> Inputs:
     target_cfg = pair.target_model()
     draft = C.from_args(C.DraftConfig, args, prefix="draft-")
     rec, rec_file = recording(args)
+    if pair.eagle:  # replay targets send the real target's features to a head
+        record_features(target_cfg, rec, rec_file, eagle_taps(pair), pair.cache, pair.threads)
     if args.latency:
         return Inputs(rec, rec_file, LatencyProfile.load(args.latency), args.latency, draft)
     target = Pair.load(target_cfg, None, pair.cache, pair.threads).target
@@ -102,6 +107,11 @@ def prepare(args) -> Inputs:
     lat_file.parent.mkdir(parents=True, exist_ok=True)
     lat_file.write_text(json.dumps(latency.to_json(), indent=1))
     return Inputs(rec, rec_file, latency, str(lat_file), draft)
+
+
+def eagle_taps(pair: C.PairConfig) -> tuple[int, ...]:
+    """The target features the pair's EAGLE head drafts from."""
+    return load_eagle(pair.eagle_model(), pair.target_model(), pair.cache).taps
 
 
 def recording(args) -> tuple[Recording, str]:
@@ -196,12 +206,14 @@ def serialisation_ms(depth: int, new_tokens: int) -> float:
 
 
 def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.DraftConfig,
-                    reps: int = 3, rows_per_size: int = 8) -> dict[int, dict[str, list[float]]]:
+                    reps: int = 3, rows_per_size: int = 8,
+                    features: dict | None = None) -> dict[int, dict[str, list[float]]]:
     """S(b) and its bound, in ms, for each batch size b. S(b) is the wall time of one batched draft
     of b sessions in steady state: each session is a recorded prompt fed its real accepted tokens
-    (a replay target with no latency verifies). The bound is the bare model running the same
-    passes right after (`bound_ms`). A batch drafts as deep as its deepest row needs, so small
-    batches are measured on several disjoint groups of prompts (at least rows_per_size rows in all)."""
+    (a replay target with no latency verifies; for an EAGLE head, with the recorded `features`).
+    The bound is the bare model running the same passes right after (`bound_ms`). A batch drafts
+    as deep as its deepest row needs, so small batches are measured on several disjoint groups of
+    prompts (at least rows_per_size rows in all)."""
     prompts = [p["prompt_ids"] for p in rec.prompts.values() if len(p["continuation"]) == rec.max_new_tokens]
     if not prompts:
         raise ValueError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
@@ -212,7 +224,7 @@ def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.D
             out[b] = {"service_ms": [], "bound_ms": []}
             for g in range(max(1, -(-rows_per_size // b))):
                 rows = [prompts[(g * b + i) % len(prompts)] for i in range(b)]
-                for key, values in _time_group(drafter, rec, rows, cfg, reps).items():
+                for key, values in _time_group(drafter, rec, rows, cfg, reps, features).items():
                     out[b][key] += values
             steps.end(f"service sweep: batch {b}: {statistics.fmean(out[b]['service_ms']):.0f} ms, bound "
                       f"{statistics.fmean(out[b]['bound_ms']):.0f} ms")
@@ -220,17 +232,20 @@ def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.D
 
 
 def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.DraftConfig,
-                reps: int) -> dict[str, list[float]]:
-    judge = ReplayTarget(rec, LatencyProfile({1: (1e-6,)}))
+                reps: int, features: dict | None) -> dict[str, list[float]]:
+    judge = ReplayTarget(rec, LatencyProfile({1: (1e-6,)}), features=features)
+    taps = drafter.taps
     seqs = [drafter.start(r) for r in rows]
-    judged = [judge.start(r) for r in rows]
+    judged = [judge.start(r, taps) for r in rows]
     new: list[list[int]] = [[] for _ in rows]
+    feats = [j.features for j in judged]  # the new tokens' features (EAGLE), else None
     out = {"service_ms": [], "bound_ms": []}
     for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, dropped
         budget = [len(j.continuation) - j.position for j in judged]  # tokens left in the recording
         if min(budget) < 2:
             raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
-        jobs = [DraftJob(s, t, cfg, C.SamplingConfig(), None, k - 1) for s, t, k in zip(seqs, new, budget)]
+        jobs = [DraftJob(s, t, cfg, C.SamplingConfig(), None, k - 1, features=f)
+                for s, t, k, f in zip(seqs, new, budget, feats)]
         drafter.passes = []
         t0 = time.perf_counter()
         trees = drafter.propose_batch(jobs)
@@ -240,7 +255,9 @@ def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.
         drafter.passes = None
         for i, (tree, j) in enumerate(zip(trees, judged)):
             tree = tree.truncate(budget[i] - 1)
-            verdict = verify_greedy(tree, judge.score(j, tree))
+            verdict = verify_greedy(tree, judge.score(j, tree, taps))
+            if taps is not None:
+                feats[i] = j.features[torch.tensor([0] + [p + 1 for p in verdict.path])]
             judge.commit(j, verdict)
             new[i] = verdict.tokens
     return out
@@ -255,10 +272,17 @@ def bound_ms(model, passes: list[Pass]) -> float:
         kv = KV.allocate(model, p.rows, p.past + p.tokens)
         kv.cut(p.past)
         kvs.append(kv)
+    head = isinstance(model, EagleHead)
+    feats = [model.get_input_embeddings().weight.new_zeros(p.rows, p.tokens, model.config.hidden_size)
+             if head else None for p in passes]
     t0 = time.perf_counter()
-    for p, kv in zip(passes, kvs):
+    for p, kv, f in zip(passes, kvs, feats):
         tokens = torch.ones(p.rows, p.tokens, dtype=torch.long)
         positions = p.past + torch.arange(p.tokens).expand(p.rows, -1)
-        hidden = fw.forward(model, kv, tokens, positions, torch.ones(p.rows, p.tokens, p.past + p.tokens, dtype=torch.bool))
-        fw.lm_head(model, hidden.reshape(-1, hidden.shape[-1])[: p.heads])
+        attend = torch.ones(p.rows, p.tokens, p.past + p.tokens, dtype=torch.bool)
+        if head:
+            model.logits(model.decode(kv, tokens, positions, attend, f).reshape(-1, f.shape[-1])[: p.heads])
+        else:
+            hidden = fw.forward(model, kv, tokens, positions, attend)
+            fw.lm_head(model, hidden.reshape(-1, hidden.shape[-1])[: p.heads])
     return (time.perf_counter() - t0) * 1e3

@@ -15,6 +15,10 @@ subject). Beside them:
   at most --draft-depth, 0 when decoding alone pays more;
 - predraft: the batched server at the fixed depth, pre-drafting in its idle time (star/ahead.py);
 - star: both, as a draft server and its targets run by default;
+- eagle (with --eagle): the batched server at the fixed depth drafting with an EAGLE head from the
+  replay targets' recorded target features; its own profile (S(b) from its points, R and tau from
+  its N = 1 point) gives its predicted N_full, beside the draft model's, and its service sweep runs
+  beside the draft model's;
 - batched-dD: the batched server at another fixed depth D, for each D in --fixed-depths. With
   batched they give the best fixed depth at each N, the baseline adaptive depth must match or beat
   (any fixed schedule of depth by N, as serving engines use, is at most that envelope).
@@ -40,7 +44,8 @@ import torch
 from starsd import config as C
 from starsd.bench import harness, metrics
 from starsd.models.drafter import Drafter
-from starsd.models.loading import load_model
+from starsd.emulate.replay import load_features
+from starsd.models.loading import load_eagle, load_model
 from starsd.results import Steps, line_plot, panel_plot, summary, write_json
 from starsd.star.launch import start_server
 from starsd.theory import simulate, sysmodel
@@ -100,12 +105,12 @@ def derived(base: dict, mode: str, ns: list[int]) -> list[dict]:
 
 
 def build_profile(points: list[dict], alone: list[metrics.Iteration], target_only: dict,
-                  max_batch: int) -> sysmodel.Profile:
+                  max_batch: int, modes: tuple[str, ...] = ("serial", "batched")) -> sysmodel.Profile:
     """The model's inputs, as the paper takes them: S(b) is the draft server's own mean batch time by
-    batch size, pooled over every server point's window (prompt prefills, the IO thread and the
-    targets' share of the cores included); R and tau come from the single-pair point."""
+    batch size, pooled over every point's window of `modes` (prompt prefills, the IO thread and the
+    targets' share of the cores included); R and tau come from the single-pair point (`alone`)."""
     drafted = [it for it in alone if it.batch]
-    pairs = [tuple(x) for p in points if p["mode"] in ("serial", "batched") for x in p["batch_times"]]
+    pairs = [tuple(x) for p in points if p["mode"] in modes for x in p["batch_times"]]
     return sysmodel.Profile(
         service_ms=metrics.service_table(pairs),
         return_ms=statistics.fmean(it.ms - it.queue_ms - it.service_ms for it in drafted),
@@ -114,6 +119,21 @@ def build_profile(points: list[dict], alone: list[metrics.Iteration], target_onl
         max_batch=max_batch,
         return_samples_ms=tuple(round(it.ms - it.queue_ms - it.service_ms, 3) for it in drafted[:2000]),
         tokens_samples=tuple(it.tokens for it in drafted[:2000]))
+
+
+def eagle_figures(points: list[dict], its: dict, target_only: dict, max_batch: int, service: dict) -> dict:
+    """The EAGLE head's server: its own profile (S(b) from its points, R and tau from its N = 1
+    point), its N_full measured and predicted, each point's prediction, and its service sweep."""
+    mine = sorted((p for p in points if p["mode"] == "eagle"), key=lambda p: p["n"])
+    profile = build_profile(points, its[("eagle", 1)], target_only, max_batch, modes=("eagle",))
+    x1 = mine[0]["system_tokens_per_s"] if mine[0]["n"] == 1 else None
+    n_full = {"measured": max(p["system_tokens_per_s"] for p in mine) / x1 if x1 else None,
+              "predicted": sysmodel.n_full(profile, False)}
+    for p in mine:
+        p.update(predicted_system_tokens_per_s=sysmodel.predict(profile, p["n"], False).system_tokens_per_s,
+                 n_full_measured=n_full["measured"], n_full_predicted=n_full["predicted"])
+    return {"profile": profile.to_json(), "n_full": n_full, "service_sweep_ms": service,
+            "tokens_per_iteration": profile.tokens_per_iteration}
 
 
 def calibrated_profile(points: list[dict], sweep: dict, in_sample: sysmodel.Profile) -> sysmodel.Profile | None:
@@ -247,7 +267,7 @@ def predraft_checks(by: dict[str, list[dict]]) -> dict:
 
 
 COLOURS = {"target-only": "#7f7f7f", "single-pair": "#2ca02c", "serial": "#ff7f0e", "batched": "#1f77b4",
-           "adaptive": "#d62728", "predraft": "#9467bd", "star": "#000000"}
+           "adaptive": "#d62728", "predraft": "#9467bd", "star": "#000000", "eagle": "#e6ab02"}
 MORE_COLOURS = ["#8c564b", "#e377c2", "#17becf", "#bcbd22"]  # batched-dD modes, in turn
 
 
@@ -315,6 +335,13 @@ def show(result: dict, json_out: str, extra_files: dict[str, str] | None = None)
     if "batched_vs_serial" in result["checks"]:
         ratio = result["checks"]["batched_vs_serial"]["saturated_throughput_ratio"]
         facts["batched vs serial"] = f"{ratio:.2f}x the saturated system throughput"
+    if "eagle" in result:
+        e, b = result["eagle"], result["n_full"].get("batched", {})
+        facts["EAGLE head server"] = (f"N_full {_num(e['n_full']['measured'])} measured, "
+                                      f"{_num(e['n_full']['predicted'])} predicted (draft model: "
+                                      f"{_num(b.get('measured'))}, {_num(b.get('predicted'))}); "
+                                      f"{e['tokens_per_iteration']:.2f} tokens per iteration (draft model: "
+                                      f"{sysmodel.Profile.from_json(result['profile']).tokens_per_iteration:.2f})")
     if result["checks"].get("adaptive_min_vs_best_fixed") is not None:
         facts["adaptive depth"] = (f"{result['checks']['adaptive_min_vs_best_fixed']:.2f}x the best fixed depth "
                                    "at its worst N")
@@ -355,12 +382,12 @@ def latency_cdf(its: dict, n_full: dict) -> dict[str, list[float]]:
     return {label: [round(x, 2) for x in sorted(metrics.per_token_latencies(v))] for label, v in chosen.items()}
 
 
-def server_modes(draft: C.DraftConfig, fixed_depths: str) -> list[tuple[str, C.DraftConfig, bool]]:
+def server_modes(draft: C.DraftConfig, fixed_depths: str, eagle: bool = False) -> list[tuple[str, C.DraftConfig, bool]]:
     """Each draft-server mode: how its targets draft, and whether the server pre-drafts."""
     fixed = dataclasses.replace(draft, adaptive=False)
     adaptive = dataclasses.replace(draft, adaptive=True)
     out = [("batched", fixed, False), ("serial", fixed, False), ("adaptive", adaptive, False),
-           ("predraft", fixed, True), ("star", adaptive, True)]
+           ("predraft", fixed, True), ("star", adaptive, True)] + ([("eagle", fixed, False)] if eagle else [])
     return out + [(f"batched-d{d}", dataclasses.replace(fixed, depth=d), False)
                   for d in (harness.numbers(fixed_depths) if fixed_depths else []) if d != draft.depth]
 
@@ -373,23 +400,31 @@ def main(args) -> int:
     known = ["target-only", "single-pair", "serial", "batched", "adaptive", "predraft", "star"]
     if set(modes) - set(known):
         raise ValueError(f"unknown modes {sorted(set(modes) - set(known))}: {', '.join(known)} "
-                         "(more fixed depths: --fixed-depths)")
+                         "(more fixed depths: --fixed-depths; an EAGLE head: --eagle)")
     pair = C.from_args(C.PairConfig, args)
     torch.set_num_threads(args.threads)
     stem = str(args.json_out).rsplit(".", 1)[0]
     inputs = harness.prepare(args)
+    sizes = [b for b in SWEEP if b <= args.max_batch]
     drafter = Drafter(load_model(pair.draft_model(), pair.cache))
-    service = {b: v["service_ms"] for b, v in harness.measure_service(
-        drafter, inputs.recording, [b for b in SWEEP if b <= args.max_batch], inputs.draft).items()}
+    service = {b: v["service_ms"] for b, v in harness.measure_service(drafter, inputs.recording, sizes,
+                                                                       inputs.draft).items()}
     del drafter
+    eagle_service = {}
+    if pair.eagle:
+        head = Drafter(load_eagle(pair.eagle_model(), pair.target_model(), pair.cache))
+        eagle_service = {b: v["service_ms"] for b, v in harness.measure_service(
+            head, inputs.recording, sizes, inputs.draft,
+            features=load_features(inputs.recording_file, head.taps)).items()}
+        del head
     runner = harness.Runner(inputs, args)
     plan = []  # (mode, how its targets draft, whether its server pre-drafts, its Ns, whether it is reported)
-    for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths):
-        wanted = mode in modes or mode.startswith("batched-d")
+    for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths, bool(pair.eagle)):
+        wanted = mode in modes or mode.startswith("batched-d") or mode == "eagle"
         if wanted or mode == "batched":  # batched at N = 1 is the model's R and tau: always run
             plan.append((mode, draft, predraft, ns if wanted else [1], wanted))
     its = {}
-    servers = {}  # (serial, predraft) -> a running draft server
+    servers = {}  # (serial, predraft, eagle) -> a running draft server
     with Steps("bench scale", 1 + sum(len(p[3]) for p in plan), step_s=args.warmup_s + args.measure_s) as steps:
         steps.begin("target-only N=1")
         alone, alone_its = runner.point(None, 1, no_spec=True)
@@ -397,10 +432,11 @@ def main(args) -> int:
         points = derived(alone, "target-only", ns) if "target-only" in modes else []
         try:
             for mode, draft, predraft, mode_ns, wanted in plan:
-                key = (mode == "serial", predraft)
+                key = (mode == "serial", predraft, mode == "eagle")
                 if key not in servers:
                     steps.say(f"starting a draft server for {mode}")
-                    servers[key] = start_server(pair, harness.server_config(args, *key))
+                    servers[key] = start_server(pair if mode == "eagle" else dataclasses.replace(pair, eagle=""),
+                                                harness.server_config(args, *key[:2]))
                 pts, mode_its = run_server_mode(runner, servers[key].address, mode_ns, mode, draft, predraft, steps)
                 points += pts if wanted else []
                 its.update({(mode, n): v for n, v in mode_its.items()})
@@ -420,6 +456,8 @@ def main(args) -> int:
         "n_full": n_full,
         "checks": checks(points, n_full, calibrated), "points": points,
     }
+    if pair.eagle:
+        result["eagle"] = eagle_figures(points, its, alone, args.max_batch, eagle_service) | {"head": pair.eagle}
     result["latency_cdf_ms"] = latency_cdf(its, n_full)
     write_json(args.json_out, result)
     plot(stem, result)

@@ -3,7 +3,9 @@
 A replay target runs no target model. For each prompt it holds the real target's greedy
 continuation, recorded once with the real model (`record`, cached), so greedy verification accepts
 exactly the draft tokens the real target would accept: greedy verification reads the target's argmax
-only along the accepted path, and along it the argmax is the recording. Each verify pass waits the
+only along the accepted path, and along it the argmax is the recording. For an EAGLE head, the real
+target's features along the recording are recorded too (`record_features`, one pass over prompt and
+continuation, cached beside the recording), and a replay target sends those. Each verify pass waits the
 real target's verify latency for that many scored tokens, drawn from a LatencyProfile: measured
 here for the real target (`measure_latency`), or supplied as JSON for other hardware. The draft
 server they talk to is fully real. Every result produced with replay targets says so ("replay").
@@ -140,6 +142,45 @@ def record(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int, 
     return rec
 
 
+def features_path(recording_file: str | Path, taps: tuple[int, ...]) -> Path:
+    """Where the features of these taps for a recording are kept: beside it."""
+    key = "-".join(map(str, taps)) or "last"
+    return Path(str(recording_file)).with_suffix(f".features-{key}.safetensors")
+
+
+def record_features(target_cfg: ModelConfig, rec: Recording, recording_file: str | Path, taps: tuple[int, ...],
+                    cache: str | None = None, threads: int = 0, log=print) -> Path:
+    """The real target's features (models/eagle.py: `taps`) at every position of each recorded
+    prompt and continuation, in bfloat16, from one pass over both; computed once, then cached."""
+    from safetensors.torch import save_file
+
+    path = features_path(recording_file, taps)
+    if path.exists():
+        return path
+    target = Pair.load(target_cfg, None, cache, threads).target
+    out = {}
+    for i, (pid, p) in enumerate(rec.prompts.items()):
+        ids = p["prompt_ids"] + p["continuation"]
+        seq = target.start(ids + [ids[-1]], taps)  # every token of ids is prefilled: a feature each
+        out[pid] = seq.features.to(torch.bfloat16).contiguous()
+        log(f"recorded features of {pid} ({i + 1}/{len(rec.prompts)}): {len(ids)} positions")
+    tmp = path.with_suffix(".tmp")
+    save_file(out, str(tmp))
+    tmp.rename(path)
+    return path
+
+
+def load_features(recording_file: str | Path, taps: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """record_features' file for these taps: prompt id -> [positions, F]."""
+    from safetensors.torch import load_file
+
+    path = features_path(recording_file, taps)
+    if not path.exists():
+        raise ValueError(f"no recorded features for taps {taps} ({path}): the draft server drafts with an EAGLE "
+                         "head; record them first (bench ... --eagle does)")
+    return load_file(str(path))
+
+
 def measure_latency(target, prompts: list[list[int]], widths: list[int], reps: int = 4,
                     source: str = "") -> LatencyProfile:
     """Time the real target's prompt prefill (each prompt, twice) and its verify pass (a chain of
@@ -173,6 +214,8 @@ class ReplaySequence:
     tokens: list[int]  # prompt + committed
     continuation: list[int]  # the real target's greedy continuation
     position: int = 0  # continuation tokens committed so far
+    recorded: torch.Tensor | None = None  # [positions, F]: the real target's features along prompt + continuation
+    features: torch.Tensor | None = None  # those of the last pass, as TargetSequence.features
 
 
 class ReplayTarget:
@@ -182,25 +225,36 @@ class ReplayTarget:
 
     device = torch.device("cpu")  # its logits are built here
 
-    def __init__(self, recording: Recording, latency: LatencyProfile, seed: int = 0):
+    def __init__(self, recording: Recording, latency: LatencyProfile, seed: int = 0,
+                 features: dict[str, torch.Tensor] | None = None):
         self.vocab_size = recording.vocab_size
         self.latency = latency
         self.rng = random.Random(seed)
-        self.by_prompt = {tuple(p["prompt_ids"]): p["continuation"] for p in recording.prompts.values()}
+        self.by_prompt = {tuple(p["prompt_ids"]): (pid, p["continuation"]) for pid, p in recording.prompts.items()}
+        self.recorded = features  # prompt id -> features (load_features), for an EAGLE head
         self.verify_ms: list[float] = []  # every latency waited, for reports
 
-    def start(self, prompt_ids: list[int]) -> ReplaySequence:
+    def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None) -> ReplaySequence:
         """Waits the target's prefill of a prompt this long."""
-        cont = self.by_prompt.get(tuple(prompt_ids))
+        pid, cont = self.by_prompt.get(tuple(prompt_ids), (None, None))
         if cont is None:
             raise ValueError("this prompt is not in the recording")
+        seq = ReplaySequence(list(prompt_ids), cont)
+        if taps is not None:
+            if self.recorded is None:
+                raise ValueError("this replay target has no recorded features for an EAGLE head")
+            seq.recorded = self.recorded[pid]
+            seq.features = seq.recorded[:len(prompt_ids) - 1]
         time.sleep(self.latency.prefill(len(prompt_ids)) / 1e3)
-        return ReplaySequence(list(prompt_ids), cont)
+        return seq
 
-    def score(self, seq: ReplaySequence, tree: DraftTree) -> torch.Tensor:
+    def score(self, seq: ReplaySequence, tree: DraftTree, taps: tuple[int, ...] | None = None) -> torch.Tensor:
         """Logits [n+1, V] whose argmax after each node is the recorded token at that depth; waits
-        the verify latency of n+1 scored tokens."""
+        the verify latency of n+1 scored tokens. With taps, seq.features: the recorded features of
+        the root and of each node on the recorded path (zeros off it: never accepted, never sent)."""
         t0 = time.perf_counter()
+        if taps is not None:
+            seq.features = _features_along(seq, tree)
         wait_s = self.latency.draw(len(tree) + 1, self.rng) / 1e3
         at = seq.position + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])
         cont = torch.tensor(seq.continuation + [0], dtype=torch.long)
@@ -217,3 +271,18 @@ class ReplayTarget:
             raise RuntimeError("replay diverged from the recording: replay targets verify greedily only")
         seq.tokens.extend(verdict.tokens)
         seq.position += len(verdict.tokens)
+
+
+def _features_along(seq: ReplaySequence, tree: DraftTree) -> torch.Tensor:
+    """[n+1, F]: the recorded feature of the root and of each node on the recorded path, zeros elsewhere."""
+    root = len(seq.tokens) - 1
+    out = seq.recorded.new_zeros(len(tree) + 1, seq.recorded.shape[1])
+    out[0] = seq.recorded[root]
+    on_path: list[bool] = []
+    for j, (token, parent, depth) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(),
+                                                   depths(tree.parents).tolist())):
+        at = seq.position + depth - 1
+        on_path.append((parent < 0 or on_path[parent]) and at < len(seq.continuation) and seq.continuation[at] == token)
+        if on_path[j] and root + depth < len(seq.recorded):
+            out[j + 1] = seq.recorded[root + depth]
+    return out

@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from starsd.config import ClientKeys, DraftConfig, SamplingConfig
-from starsd.emulate.replay import LatencyProfile, Recording, ReplaySequence, ReplayTarget
+from starsd.emulate.replay import LatencyProfile, Recording, ReplaySequence, ReplayTarget, load_features
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import DepthPolicy
 from starsd.spec.verify import Verdict
@@ -29,7 +29,7 @@ from starsd.star.client import DraftClient, RemoteDrafter, Timing
 class Host:
     def __init__(self, connect: str, recording: Recording, latency: LatencyProfile, n: int,
                  max_new_tokens: int, draft: DraftConfig, no_spec: bool = False, duration_s: float = 0.0,
-                 seed: int = 0, timeout_s: float = 120.0, keys: ClientKeys = ClientKeys()):
+                 seed: int = 0, timeout_s: float = 120.0, keys: ClientKeys = ClientKeys(), recording_file: str = ""):
         if max_new_tokens > recording.max_new_tokens:
             raise ValueError(f"the recording holds {recording.max_new_tokens} tokens per prompt; "
                              f"cannot replay {max_new_tokens}")
@@ -44,6 +44,8 @@ class Host:
         self.seed = seed
         self.timeout_s = timeout_s
         self.keys = keys
+        self.recording_file = recording_file  # its recorded features, for a server that drafts with an EAGLE head
+        self._features: dict[tuple[int, ...], dict] = {}
         self.prompts = list(recording.prompts.items())
         self.ready = threading.Barrier(n + 1)
         self.go = threading.Event()
@@ -118,7 +120,7 @@ class Host:
 
     def _decode(self, i: int, name: str, client: DraftClient) -> None:
         target = StallingTarget(self.recording, self.latency, seed=self.seed * 100_003 + i,
-                                stall=lambda: self.stall_point(i, client))
+                                stall=lambda: self.stall_point(i, client), features=self.features(client.taps))
         drafter = RemoteDrafter(client)
         policy = DepthPolicy(self.draft.depth)  # one per target: what it learns carries over its prompts
         eos = frozenset(self.recording.eos_ids)
@@ -146,6 +148,15 @@ class Host:
             if not self.duration_s:
                 return
 
+    def features(self, taps: tuple[int, ...] | None) -> dict | None:
+        """The recorded features the server's EAGLE head needs (None: it needs none), read once."""
+        if taps is None:
+            return None
+        with self.lock:
+            if taps not in self._features:
+                self._features[taps] = load_features(self.recording_file, taps)
+            return self._features[taps]
+
     def _emit(self, obj: dict) -> None:
         with self.lock:
             print(json.dumps(obj), flush=True)
@@ -155,8 +166,9 @@ class StallingTarget(ReplayTarget):
     """A replay target that calls `stall` after each commit, between two steps (where a slow
     target would pause: a GC pause, a preempted VM)."""
 
-    def __init__(self, recording: Recording, latency: LatencyProfile, seed: int, stall: Callable[[], None]):
-        super().__init__(recording, latency, seed)
+    def __init__(self, recording: Recording, latency: LatencyProfile, seed: int, stall: Callable[[], None],
+                 features: dict | None = None):
+        super().__init__(recording, latency, seed, features)
         self.stall = stall
 
     def commit(self, seq: ReplaySequence, verdict: Verdict) -> None:

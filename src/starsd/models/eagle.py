@@ -130,7 +130,7 @@ class EagleHead(nn.Module):
 
     def lift(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., F] -> the head's [..., H]."""
-        features = features.to(self.fc.weight.dtype)
+        features = features.to(self.get_input_embeddings().weight.dtype)  # fc may be int8: its input's dtype
         return self.fc(features) if self.kind == "eagle3" else features
 
     def decode(self, cache, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,

@@ -110,15 +110,22 @@ def load_eagle(head: ModelConfig, target: ModelConfig, cache: str | None = None,
                target_model: torch.nn.Module | None = None):
     """An EAGLE head (models/eagle.py) for `target`, holding the target's embedding and LM head:
     those of `target_model` when it is loaded in this process, else read from the target's
-    weights alone (a draft server has no use for the rest of the target)."""
+    weights alone (a draft server has no use for the rest of the target). With head.quantize int8
+    (a draft server's on a CPU), its linear layers and its copy of the LM head are int8; a target's
+    own LM head, shared co-located, stays as the target runs it."""
     from starsd.models import eagle
 
     if target_model is None:
         config, embed, lm_head = _target_ends(target, cache)
     else:
         config, embed, lm_head = target_model.config, target_model.get_input_embeddings(), target_model.get_output_embeddings()
-    dtype = getattr(torch, head.dtype)
-    return eagle.load(head.path, config, embed.to(head.device, dtype), lm_head.to(head.device, dtype), dtype, head.device)
+    int8 = head.quantize == "int8" and target_model is None
+    dtype = torch.float32 if int8 else getattr(torch, head.dtype)
+    h = eagle.load(head.path, config, embed.to(head.device, dtype), lm_head.to(head.device, dtype), dtype, head.device)
+    if int8:
+        quantize_int8(h)
+        h.attach(h.get_input_embeddings(), quantize_int8(torch.nn.Sequential(h.get_output_embeddings()))[0])
+    return h
 
 
 def _target_ends(target: ModelConfig, cache: str | None):
