@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from starsd import cli
-from starsd.config import ClientKeys, DraftConfig, SamplingConfig, ServerConfig
+import zmq.asyncio
+
+from starsd.config import ClientKeys, DraftConfig, GatewayKeys, SamplingConfig, ServerConfig, ServingKeys
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient, DraftServerError
 from starsd.star.launch import free_port
@@ -67,6 +69,48 @@ def test_only_allowed_keys_get_an_answer(secure_server, keys):
     reply, tensors = a.draft([4], 5)  # the allowed session went on untouched
     assert reply.tag == a.tag and len(tensors[0]) == 3
     a.close()
+
+
+def test_a_target_server_answers_only_gateways_with_an_allowed_key(tiny_target, keys):
+    """A target server with --serve-key: a gateway with an allowed key gets its TargetInfo; a
+    stranger's key, and no key at all, get nothing, not even a handshake."""
+    import asyncio
+    import threading
+
+    from starsd.models.pair import Pair
+    from starsd.serve.pool import TargetFailed, TargetLink
+    from starsd.star.target_server import TargetServer
+
+    import tiny
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pair = Pair(tiny_target, None, tiny.char_tokenizer(), frozenset({0}))
+    server = TargetServer(pair, address, None, CHAIN[0], "t0", "tiny", keys=ServingKeys(
+        str(keys / "server" / "server.key_secret"), str(keys / "allowed")))
+    ready = threading.Event()
+    thread = threading.Thread(target=server.serve, kwargs={"on_ready": ready.set}, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+
+    async def describe(gateway: GatewayKeys):
+        ctx = zmq.asyncio.Context()
+        link = TargetLink(ctx, address, gateway)
+        try:
+            return (await link.describe(1.5)).name
+        except TargetFailed:  # no answer in time
+            return None
+        finally:
+            link.close()
+            ctx.term()
+
+    try:
+        server_key = str(keys / "server" / "server.key")
+        assert asyncio.run(describe(GatewayKeys(str(keys / "allowed" / "a.key_secret"), server_key))) == "t0"
+        assert asyncio.run(describe(GatewayKeys(str(keys / "stranger" / "x.key_secret"), server_key))) is None
+        assert asyncio.run(describe(GatewayKeys())) is None
+    finally:
+        server.stop()
+        thread.join(timeout=5)
 
 
 def test_a_session_belongs_to_its_key(secure_server, keys):

@@ -165,11 +165,12 @@ def args_target_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0: off)")
-    p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address (target servers "
-                   "take no keys yet: anyone who reaches it can send generation requests)")
+    p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without "
+                   "--serve-key: anyone who reaches it can send generation requests")
     C.add_flags(p, C.PairConfig, skip=C.DRAFT_SIDE)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
     C.add_flags(p, C.ClientKeys)
+    C.add_flags(p, C.ServingKeys)
 
 
 def cmd_target_server(args) -> int:
@@ -190,7 +191,8 @@ def cmd_target_server(args) -> int:
                              args.name, args.timeout, keys=C.from_args(C.ClientKeys, args))
         client.try_hello()
     server = TargetServer(pair, args.bind, client, C.from_args(C.DraftConfig, args, prefix="draft-"), args.name,
-                          args.served_model_name or cfg.target, insecure=args.insecure)
+                          args.served_model_name or cfg.target, insecure=args.insecure,
+                          keys=C.from_args(C.ServingKeys, args))
     if args.metrics_port:
         from starsd.serve.metrics import TargetCollector, serve_metrics
 
@@ -252,6 +254,7 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.ServerConfig, skip=C.LOCAL_STAR_SKIPS)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
+    C.add_flags(p, C.GatewayKeys)  # with --target-server: for target servers started with --serve-key
     p.set_defaults(threads=1)  # three or more processes share the cores
 
 
@@ -260,7 +263,7 @@ def cmd_serve(args) -> int:
     from starsd.serve.gateway import GatewayConfig
 
     cfg = GatewayConfig(tuple(args.target_server), args.draft_server, args.max_queue, args.max_tokens,
-                        args.step_timeout, api_key=args.api_key)
+                        args.step_timeout, api_key=args.api_key, keys=C.from_args(C.GatewayKeys, args))
     if args.target_server:
         return serve_launch.serve_remote(cfg, args.host, args.port)
     if args.ray:

@@ -237,6 +237,23 @@ class ClientKeys:
         return bool(self.curve_key or self.curve_server_key)
 
 
+@dataclass(frozen=True)
+class ServingKeys:
+    """A target server's keys for the gateways that send it generation requests (star/security.py)."""
+
+    serve_key: str = setting("", "this target server's secret key file (starsd keys): gateways must then "
+                             "authenticate with a key in --serve-clients")
+    serve_clients: str = setting("", "directory of the public keys of the gateways allowed to send requests")
+
+
+@dataclass(frozen=True)
+class GatewayKeys:
+    """A gateway's keys for target servers that require authentication (star/security.py)."""
+
+    gateway_key: str = setting("", "this gateway's secret key file (starsd keys), to authenticate to target servers")
+    target_server_key: str = setting("", "the target servers' public key file (the key pair their --serve-key is from)")
+
+
 # ---------------------------------------------------------------------------------------- flags
 _PARSE = {"int": int, "float": float, "str": str}
 

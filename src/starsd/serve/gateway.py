@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response as HttpResponse, StreamingR
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
+from starsd.config import GatewayKeys
 from starsd.serve.metrics import DraftServerCollector, GatewayMetrics
 from starsd.serve.openai_api import ApiError, ChatRequest, CompletionRequest, Response, Tally
 from starsd.serve.pool import Overloaded, Pool, TargetFailed
@@ -39,6 +40,7 @@ class GatewayConfig:
     step_timeout_s: float = 300.0  # longest wait for a target's next step (a long prefill on a CPU)
     start_timeout_s: float = 600.0  # for every target to answer at start (they load their models)
     api_key: str = ""  # if set, requests need `Authorization: Bearer KEY`
+    keys: GatewayKeys = GatewayKeys()  # for target servers that require authentication
 
 
 def draft_server_snapshot(address: str):
@@ -60,7 +62,7 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.pool = Pool(list(self.cfg.targets), self.cfg.max_queue, self.cfg.step_timeout_s)
+        self.pool = Pool(list(self.cfg.targets), self.cfg.max_queue, self.cfg.step_timeout_s, self.cfg.keys)
         await self.pool.start(self.cfg.start_timeout_s)
         self.metrics.running.set_function(lambda: self.pool.running)
         self.metrics.waiting.set_function(lambda: self.pool.waiting)

@@ -23,7 +23,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from starsd.config import GatewayKeys
 from starsd.star import protocol as P
+from starsd.star import security
 
 log = logging.getLogger("starsd.gateway")
 
@@ -44,10 +46,11 @@ class TargetLink:
     """The gateway's end of one target server: a DEALER socket and a reader that hands each
     Output (or Error) to the queue of the stream it belongs to."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, keys: GatewayKeys = GatewayKeys()):
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        security.guard_client(self.sock, keys.gateway_key, keys.target_server_key)
         self.sock.connect(address)
         self.info: P.TargetInfo | None = None
         self.streams: dict[int, asyncio.Queue] = {}
@@ -117,9 +120,9 @@ class TargetLink:
 
 
 class Pool:
-    def __init__(self, addresses: list[str], max_queue: int, step_timeout_s: float):
+    def __init__(self, addresses: list[str], max_queue: int, step_timeout_s: float, keys: GatewayKeys = GatewayKeys()):
         self.ctx = zmq.asyncio.Context()
-        self.links = [TargetLink(self.ctx, a) for a in addresses]
+        self.links = [TargetLink(self.ctx, a, keys) for a in addresses]
         self.max_queue = max_queue
         self.step_timeout_s = step_timeout_s  # longest wait for a target's next Output (a prefill included)
         self.idle: asyncio.Queue[TargetLink] = asyncio.Queue()

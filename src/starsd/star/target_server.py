@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from starsd.config import DraftConfig
+from starsd.config import DraftConfig, ServingKeys
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative_steps, target_only_steps
 from starsd.spec.depth import DepthPolicy
@@ -30,12 +30,14 @@ log = logging.getLogger("starsd.target")
 
 class TargetServer:
     def __init__(self, pair: Pair, bind: str, client: DraftClient | None, draft: DraftConfig, name: str,
-                 model: str, insecure: bool = False):
-        """client None: decode alone (target-only serving, the baseline). A target server takes no
-        keys yet: it listens on loopback only, unless `insecure` (star/security.py)."""
+                 model: str, insecure: bool = False, keys: ServingKeys = ServingKeys()):
+        """client None: decode alone (target-only serving, the baseline). With `keys`, only gateways
+        with an allowed key reach it; without, it listens on loopback only, unless `insecure`
+        (star/security.py)."""
         self.pair = pair
         self.bind = bind
         self.insecure = insecure
+        self.keys = keys
         self.client = client
         self.draft = draft
         self.drafter = RemoteDrafter(client) if client else None
@@ -47,8 +49,9 @@ class TargetServer:
         self._counters = {"name": name, "streams": 0, "tokens": 0, "steps": 0, "drafts": 0, "draft_tokens": 0,
                           "accepted_tokens": 0, "busy_seconds": 0.0, "running": False}
         self._lock = threading.Lock()  # the counters are read by the metrics thread
-        self.ctx = zmq.Context.instance()
+        self.ctx = zmq.Context()  # its own: a context holds one ZAP authenticator, and a process may hold several servers
         self.sock: zmq.Socket | None = None
+        self._auth = None  # the ZAP authenticator, with keys
 
     def serve(self, on_ready=None) -> None:
         """Run until stop(). Raises RuntimeError if the address cannot be bound."""
@@ -56,7 +59,8 @@ class TargetServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         try:
-            security.guard_server(self.ctx, self.sock, self.bind, insecure=self.insecure)
+            self._auth = security.guard_server(self.ctx, self.sock, self.bind, self.keys.serve_key,
+                                               self.keys.serve_clients, self.insecure)
             self.sock.bind(self.bind)
         except (zmq.ZMQError, security.SecurityError) as e:
             raise RuntimeError(f"cannot bind {self.bind}: {e}") from None
@@ -69,6 +73,9 @@ class TargetServer:
                     self._handle(*self._receive(), busy=False)
         finally:
             self.sock.close(0)
+            if self._auth:
+                self._auth.stop()
+            self.ctx.term()
 
     def stop(self) -> None:
         self.stopping.set()
