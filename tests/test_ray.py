@@ -78,6 +78,16 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
                              text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         got = json.loads(run.stdout)
+        probe = ("import json, urllib.request; from starsd.star.client import query_stats; "
+                 "m = urllib.request.urlopen(%r, timeout=30).read().decode(); "
+                 "print(json.dumps({'keyless': query_stats(%r, timeout_s=2.0), 'metrics': m}))"
+                 % (f"http://{link.draft_ip}:{port}/metrics", ready["draft_server"]))
+        run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", probe], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        probed = json.loads(run.stdout)
+        assert probed["keyless"] is None  # the star's links take keys: a peer without one gets no answer
+        assert "starsd:draft_server_up 1.0" in probed["metrics"]  # the gateway has one: it reads the draft server
     finally:
         gateway.send_signal(signal.SIGTERM)
         code = gateway.wait(timeout=90)

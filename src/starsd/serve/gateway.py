@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response as HttpResponse, StreamingR
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from starsd.config import GatewayKeys
+from starsd.config import ClientKeys, GatewayKeys
 from starsd.serve.metrics import DraftServerCollector, GatewayMetrics
 from starsd.serve.openai_api import ApiError, ChatRequest, CompletionRequest, Response, Tally
 from starsd.serve.pool import Overloaded, Pool, TargetFailed
@@ -41,11 +41,12 @@ class GatewayConfig:
     start_timeout_s: float = 600.0  # for every target to answer at start (they load their models)
     api_key: str = ""  # if set, requests need `Authorization: Bearer KEY`
     keys: GatewayKeys = GatewayKeys()  # for target servers that require authentication
+    draft_keys: ClientKeys = ClientKeys()  # for a draft server that does (its counters, on /metrics)
 
 
-def draft_server_snapshot(address: str):
+def draft_server_snapshot(address: str, keys: ClientKeys = ClientKeys()):
     """The draft server's counters, or None if it does not answer within 2 s."""
-    return query_stats(address, "gateway-metrics", timeout_s=2.0) if address else None
+    return query_stats(address, "gateway-metrics", timeout_s=2.0, keys=keys) if address else None
 
 
 class Gateway:
@@ -57,7 +58,7 @@ class Gateway:
         self.cfg = cfg
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, max_position=64)
-        self.registry.register(DraftServerCollector(lambda: draft_server_snapshot(cfg.draft_server)))
+        self.registry.register(DraftServerCollector(lambda: draft_server_snapshot(cfg.draft_server, cfg.draft_keys)))
         self.pool: Pool | None = None  # made inside the event loop (lifespan)
 
     @contextlib.asynccontextmanager

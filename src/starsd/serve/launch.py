@@ -58,7 +58,8 @@ def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: Draft
           flush=True)
     star = RayStar.start(address, pair, server, draft, n, draft_resources, target_resources, model_name)
     try:
-        cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address)
+        cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address,
+                                  keys=star.keys.gateway, draft_keys=star.keys.draft_stats)
         return serve_remote(cfg, host, port)
     finally:
         star.close()

@@ -51,10 +51,11 @@ def connect(ctx: zmq.Context, address: str, keys: ClientKeys, send_hwm: int = 0)
     return sock
 
 
-def query_stats(address: str, name: str = "stats", timeout_s: float = 10.0) -> dict | None:
+def query_stats(address: str, name: str = "stats", timeout_s: float = 10.0,
+                keys: ClientKeys = ClientKeys()) -> dict | None:
     """A draft server's counters (a StatsRequest on a connection of its own); None if it does not
     answer within timeout_s."""
-    client = DraftClient(address, "", name, timeout_s=timeout_s, heartbeat_s=0)
+    client = DraftClient(address, "", name, timeout_s=timeout_s, heartbeat_s=0, keys=keys)
     try:
         return client.stats()
     except DraftServerError:

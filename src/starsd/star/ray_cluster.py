@@ -6,21 +6,71 @@ Each actor starts the same `starsd draft-server` / `starsd target-server` proces
 runs, bound to its node's IP; the process dies with its actor. Resources are Ray's: custom ones
 ({"draft_host": 1}) or GPUs ({"GPU": 1}); none means anywhere.
 
-The draft server and the target servers listen on their nodes' addresses without keys (`insecure`): the cluster's
-network is taken as the trust boundary, as Ray's own ports are. Keys for a star on Ray would have
-to reach every node first; that is not done yet.
+Every link is CurveZMQ-authenticated and encrypted: `StarKeys` makes a fresh set of key pairs for
+each star (the draft server's, one its targets share, the target servers' serving pair and the
+gateway's), each actor gets the files its process needs through its start call (Ray's control
+plane, once) and writes them into a private directory on its node (mode 700, secrets 600), and the
+gateway in the driver gets its own. So the nodes' addresses are bound with keys, not `--insecure`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
-from starsd.config import DraftConfig, PairConfig, ServerConfig
+from starsd.config import ClientKeys, DraftConfig, GatewayKeys, PairConfig, ServerConfig, ServingKeys, to_flags
 from starsd.star.launch import free_port, read_json_line, server_command, spawn, target_server_command
+from starsd.star.security import make_keys
 
 
 BIND = "tcp://0.0.0.0:0"  # in a command line: the address the actor picks on its node
+KEYS = "@KEYS@"  # in a command line: the directory the actor wrote its key files to
+
+
+class StarKeys:
+    """One star's key pairs, made in a private directory of the driver: `files(role)` is what a
+    role's process needs, as relative path -> text; `gateway` and `draft_stats` are the driver's."""
+
+    ROLES = {"draft": ("server/server.key_secret", "draft-clients/target.key", "draft-clients/gateway.key"),
+             "target": ("targets/target.key_secret", "server/server.key", "serving/serving.key_secret",
+                        "gateways/gateway.key")}
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="starsd-keys-"))
+        for role, name in (("server", "server"), ("targets", "target"), ("serving", "serving"), ("gateways", "gateway")):
+            make_keys(str(self.dir / role), name)
+        for who in ("targets/target.key", "gateways/gateway.key"):  # the draft server's allowed clients
+            (self.dir / "draft-clients").mkdir(exist_ok=True)
+            shutil.copy(self.dir / who, self.dir / "draft-clients" / Path(who).name)
+
+    def files(self, role: str) -> dict[str, str]:
+        return {f: (self.dir / f).read_text() for f in self.ROLES[role]}
+
+    @property
+    def gateway(self) -> GatewayKeys:
+        return GatewayKeys(str(self.dir / "gateways/gateway.key_secret"), str(self.dir / "serving/serving.key"))
+
+    @property
+    def draft_stats(self) -> ClientKeys:
+        return ClientKeys(str(self.dir / "gateways/gateway.key_secret"), str(self.dir / "server/server.key"))
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write_keys(files: dict[str, str]) -> str:
+    """An actor's key files in a private directory of its node; returns the directory."""
+    root = tempfile.mkdtemp(prefix="starsd-keys-")  # mode 700
+    for name, text in files.items():
+        path = Path(root) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        os.chmod(path, 0o600)
+    return root
 
 
 def _ray():
@@ -36,18 +86,23 @@ class StarProcess:
 
     def __init__(self):
         self.proc = None
+        self.keys = ""
 
-    def start(self, argv: list[str]) -> str:
+    def start(self, argv: list[str], keys: dict[str, str]) -> str:
         """Start `starsd ARGV` with BIND in it replaced by tcp://NODE_IP:PORT (a free port of this
-        node); return that address once the process is ready."""
+        node) and KEYS by the directory of its `keys` (StarKeys.files); return that address once
+        the process is ready."""
         ray = _ray()
         address = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
-        argv = [address if a == BIND else a for a in argv]
+        self.keys = _write_keys(keys)
+        argv = [address if a == BIND else a.replace(KEYS, self.keys) for a in argv]
         self.proc = spawn(argv)
         read_json_line(self.proc, "ready", 900)
         return address
 
     def stop(self) -> int:
+        if self.keys:  # read by the process at its start
+            shutil.rmtree(self.keys, ignore_errors=True)
         if self.proc is None or self.proc.poll() is not None:
             return -1
         self.proc.send_signal(signal.SIGTERM)
@@ -70,6 +125,7 @@ class RayStar:
     draft_address: str
     target_addresses: list[str]
     actors: list
+    keys: StarKeys
 
     @classmethod
     def start(cls, address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
@@ -77,20 +133,24 @@ class RayStar:
         ray = _ray()
         ray.init(address=address, log_to_driver=False)
         actor = ray.remote(StarProcess)
+        keys = StarKeys()
         draft_actor = actor.options(**_options(draft_resources)).remote()
         actors = [draft_actor]
         try:
-            draft_cmd = server_command(pair, dataclasses.replace(server, bind=BIND, insecure=True))
-            draft_address = ray.get(draft_actor.start.remote(draft_cmd))
+            draft_cmd = server_command(pair, dataclasses.replace(
+                server, bind=BIND, curve_key=f"{KEYS}/server/server.key_secret", curve_clients=f"{KEYS}/draft-clients"))
+            draft_address = ray.get(draft_actor.start.remote(draft_cmd, keys.files("draft")))
             targets = [actor.options(**_options(target_resources)).remote() for _ in range(n)]
             actors += targets
-            commands = [target_server_command(pair, draft, f"target-{i}", BIND, draft_address, model_name,
-                                              insecure=True) for i in range(n)]
-            addresses = ray.get([t.start.remote(c) for t, c in zip(targets, commands)])
+            target_keys = [*to_flags(ClientKeys(f"{KEYS}/targets/target.key_secret", f"{KEYS}/server/server.key")),
+                           *to_flags(ServingKeys(f"{KEYS}/serving/serving.key_secret", f"{KEYS}/gateways"))]
+            commands = [target_server_command(pair, draft, f"target-{i}", BIND, draft_address, model_name) + target_keys
+                        for i in range(n)]
+            addresses = ray.get([t.start.remote(c, keys.files("target")) for t, c in zip(targets, commands)])
         except BaseException:
-            cls(None, [], actors).close()
+            cls(None, [], actors, keys).close()
             raise
-        return cls(draft_address, addresses, actors)
+        return cls(draft_address, addresses, actors, keys)
 
     def close(self) -> None:
         ray = _ray()
@@ -99,3 +159,4 @@ class RayStar:
         finally:
             for a in self.actors:
                 ray.kill(a)
+            self.keys.close()
