@@ -20,7 +20,8 @@ ALLOWED = {  # part -> the parts it may import besides itself
     "emulate": BASE | {"theory", "spec", "models", "star"},
     "serve": BASE | {"star"},  # the HTTP gateway: talks to target servers over the star's wire
     "bench": BASE | {"theory", "spec", "models", "star", "emulate", "serve"},
-    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "bench"},
+    "train": BASE | {"spec", "models"},  # training drafters offline: EAGLE heads on the target's features
+    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "bench", "train"},
 }
 
 

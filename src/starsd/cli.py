@@ -376,6 +376,21 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def args_train_eagle(p: argparse.ArgumentParser) -> None:
+    from starsd.train.settings import EagleTrainConfig
+
+    C.add_flags(p, EagleTrainConfig)
+
+
+def cmd_train_eagle(args) -> int:
+    from starsd.train.eagle import train
+    from starsd.train.settings import EagleTrainConfig
+
+    head = train(C.from_args(EagleTrainConfig, args))
+    print(head)
+    return 0
+
+
 def cmd_simulate(args) -> int:
     from starsd.theory import simulate
 
@@ -402,6 +417,8 @@ COMMANDS = {  # name: (help, flags, run)
     "model": ("the analytical model's prediction for a measured profile", args_model, cmd_model),
     "simulate": ("discrete-event simulation of K draft servers and N targets on a profile", args_simulate,
                  cmd_simulate),
+    "train-eagle": ("train an EAGLE-1 head for a target on local Python source, resumably", args_train_eagle,
+                    cmd_train_eagle),
 }
 BENCHES = {  # name: (help, module with add_args and main)
     "colocated": ("target-only vs speculative vs HF assisted, one process", "starsd.bench.colocated"),

@@ -228,4 +228,7 @@ def load(path: str | Path, target_config, embed: nn.Module, lm_head: nn.Module, 
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise EagleLoadError(f"{path}: the {kind} head does not fit this target: {e}") from e
-    return head.attach(embed, lm_head).to(device=device, dtype=dtype).eval()
+    head = head.attach(embed, lm_head).to(device=device, dtype=dtype).eval()
+    head.rotary_emb = type(head.rotary_emb)(config=head.config).to(device)  # .to(dtype) rounded its
+    # frequencies too: in bf16, positions a thousand tokens in would turn by radians
+    return head
