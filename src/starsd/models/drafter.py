@@ -369,11 +369,12 @@ class _Batch:
         start = self.kv.length
         width = max(len(expansions[i].frontier) for i in jobs)
         rows = len(self.row)
-        q_row, q_col, q_parent, q_token, q_position = [], [], [], [], []
+        q_row, q_col, q_parent, q_token, q_position, q_node = [], [], [], [], [], []
         for i in jobs:
             e = expansions[i]
             for j, n in enumerate(e.frontier):
                 node = e.nodes[n]
+                q_node.append(node)
                 node.column = start + j
                 q_row.append(self.row[i])
                 q_col.append(j)
@@ -399,8 +400,8 @@ class _Batch:
             features[q_row, q_col] = torch.stack([expansions[i].feature(n) for i in jobs for n in expansions[i].frontier])
         hidden = self._forward(tokens, positions, attend, features, heads=len(q_row))[q_row, q_col]
         if features is not None:
-            for (i, n), h in zip(((i, n) for i in jobs for n in expansions[i].frontier), hidden):
-                expansions[i].nodes[n].feature = h
+            for node, h in zip(q_node, hidden):
+                node.feature = h
         return hidden
 
     def _features(self, rows: int, width: int) -> torch.Tensor | None:

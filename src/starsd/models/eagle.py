@@ -102,6 +102,13 @@ class EagleHead(nn.Module):
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self._target: list[nn.Module] = []  # [embedding, LM head], the target's: held, not owned
 
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's (`.to`, `.half`, ...), but the rotary frequencies stay float32: a cast to
+        bf16 would round them, and positions a thousand tokens in would turn by radians."""
+        super()._apply(fn, recurse)
+        self.rotary_emb = type(self.rotary_emb)(config=self.config).to(self.rotary_emb.inv_freq.device)
+        return self
+
     def attach(self, embed: nn.Module, lm_head: nn.Module) -> EagleHead:
         """Hold the target's embedding and LM head (kept out of the state dict)."""
         self._target = [embed, lm_head]
@@ -228,7 +235,4 @@ def load(path: str | Path, target_config, embed: nn.Module, lm_head: nn.Module, 
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise EagleLoadError(f"{path}: the {kind} head does not fit this target: {e}") from e
-    head = head.attach(embed, lm_head).to(device=device, dtype=dtype).eval()
-    head.rotary_emb = type(head.rotary_emb)(config=head.config).to(device)  # .to(dtype) rounded its
-    # frequencies too: in bf16, positions a thousand tokens in would turn by radians
-    return head
+    return head.attach(embed, lm_head).to(device=device, dtype=dtype).eval()

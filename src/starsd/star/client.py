@@ -278,12 +278,16 @@ class RemoteSequence:
     taps: tuple[int, ...] | None = None  # the target features this stream keeps for an EAGLE head (None: none)
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: [rows, F] chunks, the features of
     # tokens[1:] in order (row j: the target's feature at position j); a reset sends them all again
+    feature_count: int = 0  # rows in `features`
+
+    def add_features(self, chunk: torch.Tensor) -> None:
+        self.features.append(chunk)
+        self.feature_count += len(chunk)
 
     def feature_rows(self, start: int, bits: int) -> tuple[torch.Tensor, ...]:
         """The wire frames of the features of tokens[start:] (a first token's row: zeros)."""
-        held = sum(len(c) for c in self.features)
-        if held != len(self.tokens) - 1:
-            raise RuntimeError(f"{len(self.tokens)} tokens but {held} feature rows")
+        if self.feature_count != len(self.tokens) - 1:
+            raise RuntimeError(f"{len(self.tokens)} tokens but {self.feature_count} feature rows")
         need = len(self.tokens) - max(start, 1)  # rows from the end; only a reset reads them all
         tail: list[torch.Tensor] = []
         for chunk in reversed(self.features):
@@ -392,7 +396,7 @@ class RemoteDrafter:
         without them, or for another head, decodes alone."""
         seq.tokens.extend(new_tokens)
         if features is not None:
-            seq.features.append(features)
+            seq.add_features(features)
         if seq.taps != self.taps:
             return DraftTree.empty()
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
