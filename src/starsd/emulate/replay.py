@@ -26,7 +26,6 @@ import torch
 from starsd.config import ModelConfig, SamplingConfig
 from starsd.models import pinned
 from starsd.models.loading import logits_width, vocab_fingerprint
-from starsd.models.pair import Pair
 from starsd.prompts import Prompt
 from starsd.spec.tree import DraftTree, depths
 from starsd.spec.verify import Verdict
@@ -130,6 +129,8 @@ def record(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int, 
     path = recording_path(target_cfg, prompts, max_new_tokens, cache)
     if path.exists():
         return Recording.load(path)
+    from starsd.models.pair import Pair  # transformers: only where the real target runs, not in replay hosts
+
     pair = Pair.load(target_cfg, None, cache, threads)
     width = logits_width(pair.target.model)
     rec = Recording(target_cfg.path, target_cfg.dtype, max_new_tokens, vocab_fingerprint(pair.tokenizer, width),
@@ -153,6 +154,8 @@ def record_features(target_cfg: ModelConfig, rec: Recording, recording_file: str
     """The real target's features (models/eagle.py: `taps`) at every position of each recorded
     prompt and continuation, in bfloat16, from one pass over both; computed once, then cached."""
     from safetensors.torch import save_file
+
+    from starsd.models.pair import Pair
 
     path = features_path(recording_file, taps)
     if path.exists():
