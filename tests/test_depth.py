@@ -134,3 +134,27 @@ def test_first_deadline_trusts_the_server_as_long_as_the_prefill_took():
     policy.observe(4, 1, 5.0, 5, 100.0)
     policy.prefill(9000.0)  # a pass is measured: the prefill no longer stands in for it
     assert policy.deadline_ms(4) < 1000.0
+
+
+def test_a_draft_already_here_is_verified_as_deep_as_pays_without_a_wait():
+    """A slow server (a 2 s wait never pays) but a cheap verify and a draft right for three tokens:
+    waiting, the stream decodes alone; a draft that arrived while it did is worth verifying 3 deep,
+    and so it asks ahead one deeper (this step commits a token before the draft can be used)."""
+    policy = DepthPolicy(8, explore=16)
+    run(policy, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000, right=3)
+    assert policy.choose(8) == 0
+    assert policy.worth(8) == 3 and policy.worth(2) == 2 and policy.worth(0) == 0
+    assert policy.ahead(8) == 4 and policy.ahead(3) == 3
+
+
+def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
+    """This CPU's verify costs (test above) and a draft whose first token is right 9 times in 10:
+    even with no wait, one drafted token gives 1.9 tokens per 1214 ms against 1 per 619 alone, and
+    deeper is worse, so a stream that decodes alone does not load the server with asks either."""
+    table = Table(0.0)
+    for w, ms in {1: 619, 2: 1214, 4: 1962, 11: 2499}.items():
+        table.add(w, ms)
+    policy = DepthPolicy(8, explore=16, verify_ms=table)
+    for i in range(200):
+        policy.observe(2, int(i % 10 != 0), 5.0, 3, table(3))
+    assert policy.worth(8) == 0 and policy.ahead(8) == 0

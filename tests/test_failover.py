@@ -156,3 +156,70 @@ def test_a_draft_in_flight_when_the_server_dies_is_not_awaited_forever(rig):
         time.sleep(0.2)
         tree = drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=2000)
     assert tree is not None and len(tree) > 0 and not drafter.down  # a new session, from the whole prefix
+
+
+@pytest.mark.parametrize("rig", [50], indirect=True)
+def test_a_late_draft_is_taken_below_the_tokens_committed_since(rig, dirs):
+    """A draft asked without waiting is not lost when it comes late: the next request's call takes
+    the part of it below the tokens the target committed meanwhile, asks nothing new, and the stream
+    goes on from there; a late draft the committed tokens left is dropped for a fresh one."""
+    cfg = DraftConfig(depth=4, min_path_prob=0.0, adaptive=False)
+    local = Pair.load(ModelConfig(dirs["target"], dtype="float32"), ModelConfig(dirs["draft"], dtype="float32"))
+    prompt = [5, 17, 33, 2]
+    own = local.drafter.propose(local.drafter.start(prompt), [], cfg, GREEDY)  # what the server drafts
+    drafter = RemoteDrafter(rig.client)
+    seq = drafter.start(prompt)
+    assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=0)) == 0  # asked ahead
+    assert seq.pending and drafter.timing.ahead == 1 and drafter.timing.late == 0
+    time.sleep(0.5)  # it comes back while the target decodes a token alone
+    first = int(own.tokens[0])
+    tree = drafter.propose(seq, [first], cfg, GREEDY, max_depth=4, deadline_ms=0)
+    assert seq.behind == 1 and drafter.timing.taken_late == 1 and not seq.pending
+    assert tree.tokens.tolist() == own.follow([first]).tokens.tolist() and len(tree) == 3
+    assert tree.parents.tolist() == own.follow([first]).parents.tolist()
+    # the draft is taken whole: the server's copy of the stream goes on from the path it drafted
+    fresh = drafter.propose(seq, tree.tokens.tolist(), cfg, GREEDY, max_depth=4, deadline_ms=5000)
+    again = local.drafter.propose(local.drafter.start(prompt + [first] + tree.tokens.tolist()), [], cfg, GREEDY)
+    assert seq.behind == 0 and fresh.tokens.tolist() == again.tokens.tolist()
+    assert len(drafter.propose(seq, again.tokens.tolist()[:1], cfg, GREEDY, max_depth=4, deadline_ms=0)) == 0
+    time.sleep(0.5)
+    wrong = (int(again.tokens[1]) + 1) % 50
+    drafter.propose(seq, [wrong], cfg, GREEDY, max_depth=4, deadline_ms=5000)
+    assert seq.behind == 0 and drafter.timing.taken_late == 1  # the late one no longer followed: a fresh draft
+
+
+class Slowed:
+    """A target whose passes take `ms` each plus half of that per further token scored."""
+
+    def __init__(self, target, ms: float):
+        self.target, self.ms = target, ms
+        self.device = target.device
+
+    def start(self, *args):
+        return self.target.start(*args)
+
+    def score(self, seq, tree, *args):
+        time.sleep(self.ms * (1 + 0.5 * len(tree)) / 1e3)
+        return self.target.score(seq, tree, *args)
+
+    def commit(self, seq, verdict):
+        return self.target.commit(seq, verdict)
+
+
+def test_a_target_that_will_not_wait_for_a_slow_server_still_uses_its_drafts(dirs):
+    """Every draft comes 600 ms after its request, six of the target's 100 ms passes: waiting for
+    it never pays (even 10 right tokens: 11 per 600 + 600 ms, against 1 per 100 ms alone), so the
+    target decodes alone and asks ahead, as deep as the tokens it commits while a draft travels
+    require; the drafts that come back (the draft model is the target's own here, so they are
+    right) are verified below the tokens committed meanwhile. Output unchanged."""
+    rig = Rig({"target": dirs["target"], "draft": dirs["target"]}, delay_ms=300)
+    try:
+        drafter = RemoteDrafter(rig.client)
+        prompt = [5, 17, 33, 2]
+        gen = speculative(Slowed(rig.target, 100), drafter, prompt, 40, DraftConfig(depth=10, min_path_prob=0.0),
+                          GREEDY, policy=DepthPolicy(10))
+        assert gen.token_ids == target_only(rig.target, prompt, 40, GREEDY).token_ids
+    finally:
+        rig.close()
+    assert drafter.timing.ahead >= 2 and drafter.timing.taken_late >= 2
+    assert gen.num_steps < len(gen.token_ids) - 4, "late drafts were not accepted"

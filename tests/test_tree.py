@@ -270,3 +270,24 @@ def test_children_inverts_parents(seed):
         assert ks == sorted(ks)  # node order
         assert all(parents[k] == j - 1 for k in ks)
     assert sorted(k for ks in kids for k in ks) == list(range(15))
+
+
+# ---------------------------------------------------------------------------------------------
+# follow()
+# ---------------------------------------------------------------------------------------------
+
+def test_follow_gives_the_subtree_below_a_path_as_a_draft_of_its_own():
+    q = torch.arange(7 * 4, dtype=torch.float32).reshape(7, 4)
+    tree = DraftTree(t(TOKENS), t(PARENTS), q)
+    assert torch.equal(tree.follow([]).tokens, tree.tokens) and torch.equal(tree.follow([]).parents, tree.parents)
+    below = tree.follow([10])  # node 0: its children 1 (with 2 below) and 5
+    assert below.tokens.tolist() == [11, 12, 15] and below.parents.tolist() == [-1, 0, -1]
+    assert torch.equal(below.q, q[[1, 2, 5]])
+    assert tree.follow([13, 14]).tokens.tolist() == [16] and tree.follow([13, 14]).parents.tolist() == [-1]
+    assert len(tree.follow([10, 11, 12])) == 0  # a leaf: nothing below
+    assert len(tree.follow([11])) == 0 and len(tree.follow([10, 16])) == 0  # not a path from the root
+
+
+def test_follow_takes_the_first_of_repeated_siblings():
+    tree = DraftTree(t([5, 5, 7, 8]), t([-1, -1, 0, 1]))
+    assert tree.follow([5]).tokens.tolist() == [7]

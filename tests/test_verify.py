@@ -789,3 +789,31 @@ def test_greedy_decoding_matches_target_only_greedy():
             got += v.tokens
             last = got[-1]
         assert got[:12] == expect
+
+
+def test_lossless_late_draft_taken_below_the_token_decoded_without_it():
+    """(f) A draft asked for a prefix that came one step late: the target decoded t1 alone meanwhile,
+    and verifies what the draft holds below t1 (DraftTree.follow) as its next step's draft. The tree
+    is SpecInfer's (3 sampled siblings, 2 sampled children each, duplicates allowed): below the first
+    sibling equal to t1 lie two i.i.d. draws from Q[t1]. The law of (t1, t2) must stay the target's."""
+    P, Q = markov_pair(17)
+    Pw = warp(P.log(), T1)
+    cum_p = cumulative(Pw)
+    draft = sampled_tree(Q, 3, 2)
+    g = make_generator(109, "cpu")
+    pairs = np.empty((TRIALS, 2), dtype=np.int64)
+    accepted = 0
+    for i in range(TRIALS):
+        tree = draft(ROOT, g)  # asked for the prefix ending at ROOT
+        t1 = draw(cum_p[ROOT], float(torch.rand(1, generator=g, dtype=torch.float64)))  # decoded alone
+        late = tree.follow([t1])
+        v = verify_stochastic(late, target_rows(Pw, t1, late), g)
+        accepted += v.num_accepted
+        pairs[i] = (t1, v.tokens[0])
+    assert accepted / TRIALS > 0.2, f"late drafts hardly accepted: {accepted / TRIALS:.2f} per step"
+    Pn, Qn = Pw.double().numpy(), Q.double().numpy()
+    joint = np.zeros((VOCAB, VOCAB))
+    np.add.at(joint, (pairs[:, 0], pairs[:, 1]), 1)
+    p2 = Pn[ROOT][:, None] * Pn
+    refs = {"q for token 2": Pn[ROOT][:, None] * Qn, "row 0 reused for token 2": Pn[ROOT][:, None] * Pn[ROOT][None, :]}
+    assert_matches("first two tokens", joint, p2, refs, max_tv=0.035)

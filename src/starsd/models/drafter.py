@@ -159,6 +159,8 @@ class Expansion:
 
 
 class Drafter:
+    asynchronous = False  # a draft made here costs its caller the time it takes: never asked ahead
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.eagle = isinstance(model, EagleHead)

@@ -4,7 +4,10 @@ Both loops share the target's forward pass and the sampling code, so greedy spec
 be compared token for token with target-only output. They work on interfaces, not on models:
 a target has `device`, `start`, `score` and `commit` (models.target.TargetModel, or a replay
 target); a drafter has `device`, `taps`, `start` and `propose` (models.drafter.Drafter in this
-process, star.client.RemoteDrafter on a draft server). A drafter whose `taps` is not None drafts
+process, star.client.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
+can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
+as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
+it gave is, and `lateness` how many tokens such drafts usually come after their ask). A drafter whose `taps` is not None drafts
 from the target's features (an EAGLE head): each committed token goes to it with the target's
 feature of the position before it. `start` is told the first step's draft before the
 target's prefill, so that a remote drafter can draft while the target prefills. Each random generator lives on the device of the
@@ -143,6 +146,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
 
     taps = drafter.taps
+    ask_ahead = policy is not None and getattr(drafter, "asynchronous", False)
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     dseq = drafter.start(prompt_ids, draft_cfg, sampling, depth)  # a remote draft may start before the prefill
     t_prefill = time.perf_counter()
@@ -160,17 +164,23 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         elif taps is not None and len(prompt_ids) < 2:
             depth = 0  # one token has no feature before it: nothing for a head to draft from yet
         draft_ms = None
-        if depth > 0:
-            deadline_ms = policy.deadline_ms(depth) if policy else None
+        ahead = policy.ahead(budget - 1, dseq.lateness) if ask_ahead and depth == 0 and produced else 0
+        if depth > 0 or ahead:
+            deadline_ms = policy.deadline_ms(depth) if depth and policy else 0 if ahead else None
             t_draft = time.perf_counter()
-            tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth,
+            tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth or ahead,
                                    deadline_ms=deadline_ms,
                                    features=torch.cat(new_features) if new_features else None)
             draft_ms = (time.perf_counter() - t_draft) * 1e3
             new_tokens = []
             new_features = []
-            tree = tree.truncate(depth)
-            if policy and len(tree) == 0 and draft_ms >= deadline_ms:
+            if ask_ahead and (dseq.behind or not depth):  # asked at an earlier step and not waited
+                # for: it costs no wait now, so it is verified as deep as that pays
+                tree = tree.truncate(policy.worth(min(tree.depth(), budget - 1)))
+                draft_ms = None
+            else:
+                tree = tree.truncate(depth)
+            if depth and policy and len(tree) == 0 and draft_ms is not None and draft_ms >= deadline_ms:
                 policy.missed(depth, draft_ms)
         else:
             tree = DraftTree.empty()
@@ -182,7 +192,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
                            (time.perf_counter() - t_verify) * 1e3)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         produced += len(emitted)
-        yield Step(emitted, verdict.num_accepted, tree.depth(), depth, time.time())
+        yield Step(emitted, verdict.num_accepted, tree.depth(), depth or ahead, time.time())
         if not done:
             if taps is not None:  # the root's feature, then each accepted node's
                 new_features.append(seq.features[torch.tensor([0] + [p + 1 for p in verdict.path])])

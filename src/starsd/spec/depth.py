@@ -28,8 +28,15 @@ The same arithmetic bounds the wait: a draft d deep pays only while it arrives w
 pass of decoding alone (so that a try of a depth that does not pay yet still measures the round
 trip instead of its own deadline); a step whose draft misses it is decoded alone (`missed`), and
 the policy then decodes alone for `explore` steps, twice as long after each further miss in a
-row, before it asks again. So a draft server that is alive but slow or
-overloaded costs a target at most one bounded wait per pause, and never its own decoding speed.
+row, before it waits for a draft again. So a draft server that is alive but slow or overloaded
+costs a target at most one bounded wait per pause, and never its own decoding speed.
+
+A step that decodes alone need not leave the draft server idle for its stream. With a remote
+drafter it asks for a draft without waiting (`ahead`: the depth that would pay if the draft cost
+no wait, plus one for the token this step commits), and a later step takes what came back as far
+as it still follows the tokens committed meanwhile, verifying it as deep as a draft that costs no
+wait pays (`worth`). A slow server's drafts are then late but not lost, and a target that never
+waits for one cannot fall below its own decoding speed because of it.
 """
 
 from __future__ import annotations
@@ -175,6 +182,24 @@ class DepthPolicy:
             return 1.0 / max(self.verify_ms(1), 1e-6)
         return (1.0 + self.acceptance.expected(d)) / max(self.draft_ms(d) + self.verify_ms(d + 1), 1e-6)
 
+    def here(self, d: int) -> float:
+        """Expected tokens per millisecond of verifying a draft d deep that is already here (no wait)."""
+        if d == 0:
+            return self.rate(0)
+        return (1.0 + self.acceptance.expected(d)) / max(self.verify_ms(d + 1), 1e-6)
+
+    def worth(self, limit: int) -> int:
+        """How deep to verify a draft already here, at most `limit` deep (0: decode alone after all)."""
+        return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.here)
+
+    def ahead(self, limit: int, behind: float = 1.0) -> int:
+        """The depth to ask of a remote drafter, without waiting, on a step that decodes alone: the
+        depth that would pay if it were here, plus the tokens committed before it can be used
+        (`behind`: this step's and any more while it travels; 0: no draft would pay even free, so
+        none is asked)."""
+        best = self.worth(limit)
+        return min(best + max(1, math.ceil(behind)), limit, self.max_depth) if best else 0
+
     def choose(self, limit: int) -> int:
         """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""
         limit = max(0, min(limit, self.max_depth))
@@ -224,11 +249,12 @@ class DepthPolicy:
         self.misses += 1
 
     def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float) -> None:
-        """One step: a draft `depth` deep (0: none) waited for draft_ms, verified `width` tokens
-        (root and draft) in verify_ms and had `accepted` tokens accepted."""
+        """One step: a draft `depth` deep (0: none) waited for draft_ms (None: it was asked at an
+        earlier step and waited for by none), verified `width` tokens (root and draft) in verify_ms
+        and had `accepted` tokens accepted."""
         if depth > 0:
-            self.misses = 0
             self.acceptance.add(depth, accepted)
             if draft_ms is not None and math.isfinite(draft_ms):
+                self.misses = 0
                 self.draft_ms.add(depth, draft_ms)
         self.verify_ms.add(width, verify_ms)

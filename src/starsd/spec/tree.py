@@ -65,6 +65,35 @@ class DraftTree:
         q = None if self.q is None else self.q[keep]
         return DraftTree(self.tokens[keep], parents, q)
 
+    def follow(self, path: list[int]) -> "DraftTree":
+        """The subtree below the node reached by spelling `path` down from the root (the first such
+        node where siblings repeat a token), as a draft of its own below the path's last token;
+        empty if the tree does not hold the path. A draft asked for a prefix is still a draft for
+        the prefix plus `path` when the target committed `path` without it: each node was drawn
+        given its ancestors only, so the nodes below a fixed path are a draft of that longer
+        prefix, with their q rows unchanged."""
+        node = -1
+        kids = children(self.parents)
+        for token in path:
+            node = next((c for c in kids[node + 1] if int(self.tokens[c]) == token), None)
+            if node is None:
+                return DraftTree.empty()
+        below = [node]  # the nodes under `node`, in topological order
+        inside = torch.zeros(len(self) + 1, dtype=torch.bool)
+        inside[node + 1] = True
+        for i, p in enumerate(self.parents.tolist()):
+            if inside[p + 1] and i != node:
+                inside[i + 1] = True
+                below.append(i)
+        keep = torch.tensor(below[1:], dtype=torch.long)
+        if not len(keep):
+            return DraftTree.empty()
+        remap = torch.full((len(self) + 1,), -1, dtype=torch.long)
+        remap[keep + 1] = torch.arange(keep.shape[0])
+        parents = remap[self.parents[keep] + 1]  # children of `node` become children of the root (-1)
+        q = None if self.q is None else self.q[keep]
+        return DraftTree(self.tokens[keep], parents, q)
+
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """[n] depth of each node; children of the root have depth 1."""

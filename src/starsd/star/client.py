@@ -90,6 +90,7 @@ class DraftClient:
         self.tag = 0
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
+        self._hello_at = time.monotonic()  # when the last Hello went out
 
     def _socket(self) -> zmq.Socket:
         return connect(self.ctx, self.address, self.keys)
@@ -100,6 +101,7 @@ class DraftClient:
 
     def send_hello(self) -> None:
         """The first half of hello(): receive_welcome() must come before any other request."""
+        self._hello_at = time.monotonic()
         self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
 
     def receive_welcome(self, timeout_s: float | None = None, wait_s: float | None = None) -> P.Welcome | None:
@@ -115,7 +117,10 @@ class DraftClient:
         if self.heartbeat_s > 0:
             if self._heartbeat:
                 self._heartbeat.stop()
-            self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s, self.keys)
+            # its socket's first pong takes a connection and a handshake, as long as the Hello took
+            # (several round trips on a slow link): silence counts from then
+            grace_s = time.monotonic() - self._hello_at
+            self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s, self.keys, grace_s)
             self._heartbeat.start()
         return welcome
 
@@ -234,17 +239,19 @@ class Heartbeat(threading.Thread):
     tell a busy target from a dead one, and the target a dead server from a busy one (ZeroMQ
     sockets are not shared between threads)."""
 
-    def __init__(self, address: str, tag: int, interval_s: float, keys: ClientKeys = ClientKeys()):
+    def __init__(self, address: str, tag: int, interval_s: float, keys: ClientKeys = ClientKeys(),
+                 grace_s: float = 0.0):
         super().__init__(name="starsd-heartbeat", daemon=True)
         self.address = address
         self.keys = keys
         self.tag = tag
         self.interval_s = interval_s
         self._stop_event = threading.Event()
-        self._last_pong = time.monotonic()
+        self._last_pong = time.monotonic() + grace_s
 
     def silent_s(self) -> float:
-        """Seconds since the server last answered a ping (or since the heartbeat started)."""
+        """Seconds since the server last answered a ping (or since the heartbeat started, plus
+        `grace_s`: the time its connection is allowed to take)."""
         return time.monotonic() - self._last_pong
 
     def run(self) -> None:
@@ -279,6 +286,9 @@ class RemoteSequence:
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: [rows, F] chunks, the features of
     # tokens[1:] in order (row j: the target's feature at position j); a reset sends them all again
     feature_count: int = 0  # rows in `features`
+    behind: int = 0  # the last draft given was asked this many committed tokens ago (0: for the current prefix)
+    lateness: float = 1.0  # tokens committed between a request and the reading of its reply, when that came
+    # after the target had gone on (a running average; a draft asked ahead needs to be this much deeper)
 
     def add_features(self, chunk: torch.Tensor) -> None:
         self.features.append(chunk)
@@ -313,6 +323,8 @@ class Timing:
     service: list[float] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
     late: int = 0  # requests whose draft missed the deadline (their steps decoded alone)
+    ahead: int = 0  # requests asked without waiting (deadline 0), for a later step to pick up
+    taken_late: int = 0  # drafts picked up at a later step than asked, and still following the committed tokens
 
     def add(self, wall: float, queue: float = 0.0, service: float = 0.0, batch: int = 0) -> None:
         self.wall.append(wall)
@@ -322,14 +334,15 @@ class Timing:
 
     @property
     def refused(self) -> int:
-        return self.batch.count(0) - self.late
+        return self.batch.count(0) - self.late - self.ahead
 
     def summary(self) -> dict:
         """Means over the answered requests."""
         answered = [i for i, b in enumerate(self.batch) if b]
         n = len(answered)
         if not n:
-            return {"requests": 0, "refused": self.refused, "late": self.late} if self.batch else {}
+            return {"requests": 0, "refused": self.refused, "late": self.late, "ahead": self.ahead,
+                    "taken_late": self.taken_late} if self.batch else {}
 
         def mean(xs):
             return sum(xs[i] for i in answered) / n
@@ -337,7 +350,8 @@ class Timing:
         overhead = [w - q - s for w, q, s in zip(self.wall, self.queue, self.service)]
         return {"requests": n, "wall_ms": mean(self.wall), "queue_ms": mean(self.queue),
                 "service_ms": mean(self.service), "overhead_ms": mean(overhead),
-                "mean_batch": mean(self.batch), "refused": self.refused, "late": self.late}
+                "mean_batch": mean(self.batch), "refused": self.refused, "late": self.late,
+                "ahead": self.ahead, "taken_late": self.taken_late}
 
 
 class RemoteDrafter:
@@ -356,6 +370,7 @@ class RemoteDrafter:
     context limit (`context_full`) decodes alone to its end."""
 
     device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
+    asynchronous = True  # a draft may be asked without waiting (deadline 0) and picked up at a later step
     BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
 
     def __init__(self, client: DraftClient):
@@ -390,10 +405,13 @@ class RemoteDrafter:
                 features: torch.Tensor | None = None) -> DraftTree:
         """`generator` is unused: a sampled draft draws from the server's per-session generator,
         seeded as the co-located drafter's is, so seeded runs match. A draft that has not come
-        within `deadline_ms` (spec/depth.py) gives an empty draft; its request stays in flight, and
-        its reply is read, its draft dropped, before the next request goes out. `features`: for an
-        EAGLE head, the target's features of the new tokens (spec/decode.py); a stream that began
-        without them, or for another head, decodes alone."""
+        within `deadline_ms` (spec/depth.py; 0: ask without waiting) gives an empty draft; its
+        request stays in flight, and a later call reads its reply first: if the tokens committed
+        since it was asked spell a path of its tree, the subtree below that path is that call's
+        draft (DraftTree.follow; `seq.behind` says how many tokens late it is), else it is dropped
+        and the next request goes out. `features`: for an EAGLE head, the target's features of the
+        new tokens (spec/decode.py); a stream that began without them, or for another head,
+        decodes alone."""
         seq.tokens.extend(new_tokens)
         if features is not None:
             seq.add_features(features)
@@ -407,10 +425,13 @@ class RemoteDrafter:
             return DraftTree.empty()
         for attempt in range(2):
             try:
-                reply, tensors = self._request(seq, cfg, sampling, budget, until)
+                reply, tree = self._request(seq, cfg, sampling, budget, until)
                 break
             except Late:
-                self.timing.late += 1
+                if deadline_ms == 0:
+                    self.timing.ahead += 1
+                else:
+                    self.timing.late += 1
                 self.timing.add((time.perf_counter() - t0) * 1e3)
                 return DraftTree.empty()
             except DraftServerError as e:
@@ -428,8 +449,8 @@ class RemoteDrafter:
                     self.client.hello()
                 seq.sent = 0
         self.timing.add((time.perf_counter() - t0) * 1e3, reply.queue_ms, reply.service_ms, reply.batch_size)
-        q = tensors[2].clone() if len(tensors) == 3 else None
-        return DraftTree(tensors[0].long(), tensors[1].long(), q)
+        self.timing.taken_late += seq.behind > 0
+        return tree
 
     def _lost(self, seq: RemoteSequence) -> None:
         self.down = True
@@ -472,11 +493,15 @@ class RemoteDrafter:
         return True
 
     def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int,
-                 until: float | None):
+                 until: float | None) -> tuple[P.DraftReply, DraftTree]:
         if seq.pending:  # a request is in flight (start()'s reset, or a draft that came late): its reply first
-            reply = self._settle(seq, until)
-            if seq.sent == len(seq.tokens):  # start()'s reset, and nothing committed since: it answers this step
-                return reply
+            reply, tensors = self._settle(seq, until)
+            if seq.sent < len(seq.tokens):
+                seq.lateness += 0.25 * (len(seq.tokens) - seq.sent - seq.lateness)
+            tree = _tree(tensors).follow(seq.tokens[seq.sent:])  # still a draft of what was committed since?
+            if seq.sent == len(seq.tokens) or len(tree):
+                seq.behind = len(seq.tokens) - seq.sent
+                return reply, tree
         features = () if seq.taps is None else seq.feature_rows(seq.sent, cfg.feature_bits)
         if seq.sent == 0:
             self.client.send_draft(seq.tokens, budget, cfg, sampling, features)
@@ -484,7 +509,9 @@ class RemoteDrafter:
             self.client.send_draft(seq.tokens[seq.sent:], budget, features=features)
         seq.pending = len(seq.tokens)
         seq.pending_since = time.monotonic()
-        return self._settle(seq, until)
+        reply, tensors = self._settle(seq, until)
+        seq.behind = 0
+        return reply, _tree(tensors)
 
     def _settle(self, seq: RemoteSequence, until: float | None):
         """The in-flight request's reply; the server then holds seq.pending tokens. Raises Late if it
@@ -504,6 +531,12 @@ class RemoteDrafter:
         seq.pending = 0
         seq.sent = held
         return reply
+
+
+def _tree(tensors: tuple) -> DraftTree:
+    """A DraftReply's frames as a draft: tokens, parents and, for a sampled draft, q."""
+    q = tensors[2].clone() if len(tensors) == 3 else None
+    return DraftTree(tensors[0].long(), tensors[1].long(), q)
 
 
 class Late(Exception):
