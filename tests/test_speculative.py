@@ -119,7 +119,7 @@ def test_sampled_output_follows_target_distribution(tiny_target, tiny_drafters, 
     d1, dcond = _exact_two_token_distribution(type(tiny_target)(drafter.model), prompt, s)
     draft_law = {(a, b): float(d1[a] * dcond[a][b]) for a in dcond for b in dcond[a].nonzero().squeeze(1).tolist()}
 
-    trials = 3000
+    trials = 2000
     counts = collections.Counter()
     for seed in range(trials):
         g = speculative(tiny_target, drafter, prompt, 2, draft, SamplingConfig(temperature=1.0, top_k=6, seed=seed))
