@@ -17,7 +17,7 @@ from starsd.models.pair import Pair
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.star.client import DraftClient, DraftServerError
 from starsd.spec.decode import speculative, target_only
-from starsd.star.launch import run_targets, spawn, start_server
+from starsd.star.launch import run_targets, spawn, start_server, summarize
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.prompts import humaneval
 
@@ -266,3 +266,14 @@ def test_launch_runs_a_local_star_and_reports_it(dirs, tmp_path):
     assert server["requests"] >= server["replies"] > 0 and server["predraft"]["hits"] <= server["requests"]
     assert len(result["results"]) == 4 and {r["target"] for r in result["results"]} == {"target-0", "target-1"}
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_launch_summary_takes_prompts_without_an_answered_draft():
+    """A target that decoded a whole prompt alone (its drafts asked ahead and never answered in
+    time) reports a draft summary without means: the launch summary must take it as it is."""
+    rows = [{"target": "target-0", "token_ids": [1, 2, 3], "seconds": 2.0, "mean_accepted": 0.0, "go": 10.0,
+             "finished": 12.0, "draft": {"requests": 0, "refused": 0, "late": 0, "ahead": 3, "taken_late": 0}},
+            {"target": "target-0", "token_ids": [4, 5], "seconds": 1.0, "mean_accepted": 1.0, "go": 10.0,
+             "finished": 13.0, "draft": {}}]
+    got = summarize(rows, 1)
+    assert got["tokens"] == 5 and got["per_target"]["target-0"]["tokens_per_s"] == pytest.approx(5 / 3)

@@ -177,8 +177,11 @@ def test_a_late_draft_is_taken_below_the_tokens_committed_since(rig, dirs):
     assert seq.behind == 1 and drafter.timing.taken_late == 1 and not seq.pending
     assert tree.tokens.tolist() == own.follow([first]).tokens.tolist() and len(tree) == 3
     assert tree.parents.tolist() == own.follow([first]).parents.tolist()
-    # the draft is taken whole: the server's copy of the stream goes on from the path it drafted
-    fresh = drafter.propose(seq, tree.tokens.tolist(), cfg, GREEDY, max_depth=4, deadline_ms=5000)
+    # the draft is taken whole: the server's copy of the stream goes on from the path it drafted.
+    # A fresh request that misses its deadline is no late draft (its step pauses the policy)
+    missed = drafter.propose(seq, tree.tokens.tolist(), cfg, GREEDY, max_depth=4, deadline_ms=1)
+    assert len(missed) == 0 and seq.behind == 0 and drafter.timing.late == 1
+    fresh = drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=5000)
     again = local.drafter.propose(local.drafter.start(prompt + [first] + tree.tokens.tolist()), [], cfg, GREEDY)
     assert seq.behind == 0 and fresh.tokens.tolist() == again.tokens.tolist()
     assert len(drafter.propose(seq, again.tokens.tolist()[:1], cfg, GREEDY, max_depth=4, deadline_ms=0)) == 0

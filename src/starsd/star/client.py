@@ -118,8 +118,9 @@ class DraftClient:
             if self._heartbeat:
                 self._heartbeat.stop()
             # its socket's first pong takes a connection and a handshake, as long as the Hello took
-            # (several round trips on a slow link): silence counts from then
-            grace_s = time.monotonic() - self._hello_at
+            # (several round trips on a slow link): silence counts from then. A Welcome read late
+            # (looked for between steps) took less than it seems: at most a few dead_after_s.
+            grace_s = min(time.monotonic() - self._hello_at, 4 * self.dead_after_s)
             self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s, self.keys, grace_s)
             self._heartbeat.start()
         return welcome
@@ -413,6 +414,7 @@ class RemoteDrafter:
         new tokens (spec/decode.py); a stream that began without them, or for another head,
         decodes alone."""
         seq.tokens.extend(new_tokens)
+        seq.behind = 0  # until a late draft is taken below: whatever this call returns is not one
         if features is not None:
             seq.add_features(features)
         if seq.taps != self.taps:
@@ -448,8 +450,11 @@ class RemoteDrafter:
                 if e.code == "unknown_session":  # the server dropped us (restart, timeout): new session
                     self.client.hello()
                 seq.sent = 0
-        self.timing.add((time.perf_counter() - t0) * 1e3, reply.queue_ms, reply.service_ms, reply.batch_size)
-        self.timing.taken_late += seq.behind > 0
+        wall = (time.perf_counter() - t0) * 1e3
+        if seq.behind:  # asked at an earlier step: its round trip as the target saw it runs from then
+            self.timing.taken_late += 1
+            wall = (time.monotonic() - seq.pending_since) * 1e3
+        self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size)
         return tree
 
     def _lost(self, seq: RemoteSequence) -> None:

@@ -143,12 +143,10 @@ def summarize(results: list[dict], n: int) -> dict:
     end = max(r["finished"] for r in results)
     per_target = {}
     for r in results:
-        t = per_target.setdefault(r["target"], {"tokens": 0, "seconds": 0.0, "accepted": [], "overhead_ms": []})
+        t = per_target.setdefault(r["target"], {"tokens": 0, "seconds": 0.0, "accepted": []})
         t["tokens"] += len(r["token_ids"])
         t["seconds"] += r["seconds"]
         t["accepted"].append(r["mean_accepted"])
-        if r["draft"]:
-            t["overhead_ms"].append(r["draft"]["overhead_ms"])
     targets = {name: {"tokens": v["tokens"], "tokens_per_s": v["tokens"] / v["seconds"],
                       "mean_accepted": sum(v["accepted"]) / len(v["accepted"])} for name, v in sorted(per_target.items())}
     tokens = sum(v["tokens"] for v in per_target.values())
