@@ -7,11 +7,11 @@ target); a drafter has `device`, `taps`, `start` and `propose` (models.drafter.D
 process, star.client.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
 can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
 as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
-it gave is, and `lateness` how many tokens such drafts usually come after their ask). A drafter whose `taps` is not None drafts
-from the target's features (an EAGLE head): each committed token goes to it with the target's
-feature of the position before it. `start` is told the first step's draft before the
-target's prefill, so that a remote drafter can draft while the target prefills. Each random generator lives on the device of the
-tensors it draws for."""
+it gave is, and `lateness` how many tokens such drafts usually come after their ask). A drafter
+whose `taps` is not None drafts from the target's features (an EAGLE head): each committed token
+goes to it with the target's feature of the position before it. `start` is told the first step's
+draft before the target's prefill, so that a remote drafter can draft while the target prefills.
+Each random generator lives on the device of the tensors it draws for."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         draft_ms = None
         ahead = policy.ahead(budget - 1, dseq.lateness) if ask_ahead and depth == 0 and produced else 0
         if depth > 0 or ahead:
-            deadline_ms = policy.deadline_ms(depth) if depth and policy else 0 if ahead else None
+            deadline_ms = (policy.deadline_ms(depth) if depth else 0) if policy else None
             t_draft = time.perf_counter()
             tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth or ahead,
                                    deadline_ms=deadline_ms,

@@ -33,7 +33,7 @@ costs a target at most one bounded wait per pause, and never its own decoding sp
 
 A step that decodes alone need not leave the draft server idle for its stream. With a remote
 drafter it asks for a draft without waiting (`ahead`: the depth that would pay if the draft cost
-no wait, plus one for the token this step commits), and a later step takes what came back as far
+no wait, plus the tokens the stream commits while it travels), and a later step takes what came back as far
 as it still follows the tokens committed meanwhile, verifying it as deep as a draft that costs no
 wait pays (`worth`). A slow server's drafts are then late but not lost, and a target that never
 waits for one cannot fall below its own decoding speed because of it.

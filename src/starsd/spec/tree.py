@@ -58,12 +58,7 @@ class DraftTree:
 
     def truncate(self, max_depth: int) -> "DraftTree":
         """Keep only the nodes at depth <= max_depth (used when the token budget ends inside a draft)."""
-        keep = (depths(self.parents) <= max_depth).nonzero().squeeze(1)
-        remap = torch.full((len(self) + 1,), -1, dtype=torch.long)
-        remap[keep + 1] = torch.arange(keep.shape[0])
-        parents = remap[self.parents[keep] + 1]
-        q = None if self.q is None else self.q[keep]
-        return DraftTree(self.tokens[keep], parents, q)
+        return self._keep((depths(self.parents) <= max_depth).nonzero().squeeze(1))
 
     def follow(self, path: list[int]) -> "DraftTree":
         """The subtree below the node reached by spelling `path` down from the root (the first such
@@ -85,14 +80,14 @@ class DraftTree:
             if inside[p + 1] and i != node:
                 inside[i + 1] = True
                 below.append(i)
-        keep = torch.tensor(below[1:], dtype=torch.long)
-        if not len(keep):
-            return DraftTree.empty()
+        return self._keep(torch.tensor(below[1:], dtype=torch.long)) if len(below) > 1 else DraftTree.empty()
+
+    def _keep(self, keep: torch.Tensor) -> "DraftTree":
+        """The nodes `keep` (ascending), renumbered; a node whose parent is not kept hangs below the root."""
         remap = torch.full((len(self) + 1,), -1, dtype=torch.long)
         remap[keep + 1] = torch.arange(keep.shape[0])
-        parents = remap[self.parents[keep] + 1]  # children of `node` become children of the root (-1)
         q = None if self.q is None else self.q[keep]
-        return DraftTree(self.tokens[keep], parents, q)
+        return DraftTree(self.tokens[keep], remap[self.parents[keep] + 1], q)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:

@@ -515,7 +515,6 @@ class RemoteDrafter:
         seq.pending = len(seq.tokens)
         seq.pending_since = time.monotonic()
         reply, tensors = self._settle(seq, until)
-        seq.behind = 0
         return reply, _tree(tensors)
 
     def _settle(self, seq: RemoteSequence, until: float | None):
