@@ -12,7 +12,7 @@ from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import DepthPolicy
-from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.client import DraftClient, RemoteDrafter, query_stats
 from starsd.star.launch import free_port, start_server
 
 DRAFT = DraftConfig(depth=4, adaptive=False)
@@ -156,6 +156,31 @@ def test_a_draft_in_flight_when_the_server_dies_is_not_awaited_forever(rig):
         time.sleep(0.2)
         tree = drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=2000)
     assert tree is not None and len(tree) > 0 and not drafter.down  # a new session, from the whole prefix
+
+
+def test_a_server_restarted_while_the_target_looked_away_is_noticed_at_once(rig):
+    """The server dies and is back before the target asks again (it decoded alone meanwhile, or was
+    paused): its draft in flight will never be answered and its session is gone, yet the heartbeat
+    hears the new server, so nothing looks wrong. The Pongs say the session is unknown, and the next
+    step opens a new session and drafts on it, instead of waiting out the client's timeout (60 s)
+    for the lost reply, or sending a request the server must refuse."""
+    cfg = DraftConfig(depth=4)
+    drafter = RemoteDrafter(rig.client)
+    seq = drafter.start([5, 17, 33, 2], cfg, GREEDY, 4)
+    assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=0)) == 0 and seq.pending
+    rig.kill()
+    rig.restart()
+    deadline = time.monotonic() + 15
+    while not rig.client.session_gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rig.client.session_gone() and rig.client.reachable()
+    t0 = time.monotonic()
+    tree = drafter.propose(seq, [7], cfg, GREEDY, max_depth=4, deadline_ms=5000)
+    assert len(tree) > 0 and not drafter.down and drafter.outages == 1
+    assert time.monotonic() - t0 < 5
+    assert not rig.client.session_gone()
+    stats = query_stats(rig.stars[-1].address)
+    assert stats["sessions_open"] == 1 and "unknown_session" not in stats["errors"]
 
 
 @pytest.mark.parametrize("rig", [50], indirect=True)

@@ -306,11 +306,14 @@ def args_replay_targets(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_replay_targets(args) -> int:
+    import logging
+
     import torch
 
     from starsd.emulate.replay import LatencyProfile, Recording
     from starsd.emulate.replay_host import Host
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)  # replay targets only sleep; leave the cores to the draft server
     host = Host(args.connect, Recording.load(args.recording), LatencyProfile.load(args.latency), args.targets,
                 args.max_new_tokens, C.from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,

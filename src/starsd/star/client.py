@@ -142,6 +142,13 @@ class DraftClient:
         """Whether the server answered a ping within dead_after_s (True without a heartbeat)."""
         return self._heartbeat is None or self._heartbeat.silent_s() <= self.dead_after_s
 
+    def session_gone(self) -> bool:
+        """Whether the heartbeat's replies say the server no longer holds this client's session: it
+        was restarted, or it freed the session after a silence. No request needs to be refused first
+        (a target that decodes alone for a while sends none)."""
+        beat = self._heartbeat
+        return bool(self.tag) and beat is not None and beat.tag == self.tag and beat.session_gone
+
     def reopen(self) -> None:
         """A fresh socket, and a Hello on it for a new session (the old socket's queued messages are
         dropped, so no stale request reaches a restarted server); receive_welcome() says when it is open."""
@@ -221,6 +228,8 @@ class DraftClient:
                 if not self.reachable():
                     raise DraftServerError("unreachable", f"{self.address} answered no heartbeat for "
                                                           f"{self._heartbeat.silent_s():.1f} s")
+                if self.session_gone():
+                    raise DraftServerError("unknown_session", f"{self.address} no longer holds session {self.tag:x}")
                 continue
             try:
                 msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
@@ -249,6 +258,7 @@ class Heartbeat(threading.Thread):
         self.interval_s = interval_s
         self._stop_event = threading.Event()
         self._last_pong = time.monotonic() + grace_s
+        self.session_gone = False  # a Pong said the server does not hold session `tag` (restarted, or freed it)
 
     def silent_s(self) -> float:
         """Seconds since the server last answered a ping (or since the heartbeat started, plus
@@ -265,8 +275,14 @@ class Heartbeat(threading.Thread):
                 except zmq.Again:
                     pass
                 while sock.poll(0):
-                    sock.recv_multipart()  # Pongs: their arrival is what counts
+                    pong = sock.recv_multipart()
                     self._last_pong = time.monotonic()
+                    try:
+                        msg = P.decode(pong)[0]
+                    except P.ProtocolError:
+                        continue  # an answer all the same: the server is alive
+                    if isinstance(msg, P.Pong) and not msg.known:
+                        self.session_gone = True
         finally:
             sock.close(0)
 
@@ -383,6 +399,7 @@ class RemoteDrafter:
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = 0.0
         self._hello_at: float | None = None  # when the Hello of a new session went out (None: none in flight)
+        self._down_at = time.monotonic()  # when the last session was lost
 
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> RemoteSequence:
@@ -390,7 +407,8 @@ class RemoteDrafter:
         prefills the prompt and drafts while the target prefills it, and the first propose() finds
         its draft waiting (the draft's prefill no longer adds to the time to the first token)."""
         seq = RemoteSequence(list(prompt_ids), taps=self.taps)
-        if cfg is not None and max_depth > 0 and not self.down and self.client.tag and seq.taps is None:
+        if (cfg is not None and max_depth > 0 and not self.down and self.client.tag and seq.taps is None
+                and not self.client.session_gone()):
             self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling)
             seq.pending = len(seq.tokens)
             seq.pending_since = time.monotonic()
@@ -422,6 +440,8 @@ class RemoteDrafter:
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
         until = None if deadline_ms is None else time.monotonic() + deadline_ms / 1e3
+        if not self.down and self.client.session_gone():  # restarted, or freed it: a new session at once
+            self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
         if (self.down and not self._back(seq)) or time.monotonic() < seq.alone_until:
             self.timing.add((time.perf_counter() - t0) * 1e3)
             return DraftTree.empty()
@@ -437,18 +457,19 @@ class RemoteDrafter:
                 self.timing.add((time.perf_counter() - t0) * 1e3)
                 return DraftTree.empty()
             except DraftServerError as e:
-                if e.code in ("unreachable", "timeout", "bad_reply"):
-                    self._lost(seq)
+                if e.code in ("unreachable", "timeout", "bad_reply", "unknown_session"):
+                    self._lost(seq, e)
                 if e.code in ("kv_full", "context_full"):
                     seq.sent = 0  # refused with the server's state of it gone: the next request is a reset
                     seq.alone_until = time.monotonic() + (self.BACKOFF_S[0] if e.code == "kv_full" else math.inf)
-                if e.code in GO_ON_ALONE or e.code == "context_full":
+                if e.code == "unknown_session" and not attempt and self._back(seq):
+                    continue  # the server dropped the session (restart, timeout): this step's request is a
+                    # reset on the new one
+                if e.code in GO_ON_ALONE or e.code in ("context_full", "unknown_session"):
                     self.timing.add((time.perf_counter() - t0) * 1e3)
                     return DraftTree.empty()
-                if attempt or e.code not in ("reset_required", "unknown_session"):
+                if attempt or e.code != "reset_required":
                     raise
-                if e.code == "unknown_session":  # the server dropped us (restart, timeout): new session
-                    self.client.hello()
                 seq.sent = 0
         wall = (time.perf_counter() - t0) * 1e3
         if seq.behind:  # asked at an earlier step: its round trip as the target saw it runs from then
@@ -457,13 +478,17 @@ class RemoteDrafter:
         self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size)
         return tree
 
-    def _lost(self, seq: RemoteSequence) -> None:
+    def _lost(self, seq: RemoteSequence, why: DraftServerError) -> None:
+        """The session is gone: its server is silent or broken (a new hello waits for the backoff), or
+        it answers but no longer holds the session (`unknown_session`: a new hello at once)."""
+        log.warning("%s: draft session lost (%s); decoding alone until a new one opens", self.client.name, why)
         self.down = True
+        self._down_at = time.monotonic()
         self.outages += 1
         seq.pending = 0  # that socket is closed before the next request: no reply of it will be read
         seq.sent = 0  # whatever session comes next starts from the whole accepted prefix
         self._backoff_s = self.BACKOFF_S[0]
-        self._retry_at = time.monotonic() + self._backoff_s
+        self._retry_at = time.monotonic() + (0.0 if why.code == "unknown_session" else self._backoff_s)
 
     def _back(self, seq: RemoteSequence) -> bool:
         """While down: once the server answers pings again and the backoff has passed, send a Hello on
@@ -477,20 +502,25 @@ class RemoteDrafter:
                 return False
             self.client.reopen()
             self._hello_at = time.monotonic()
+            log.info("%s: hello for a new draft session, on a fresh connection", self.client.name)
             wait_s = self.client.dead_after_s  # a server at ease answers at once: draft this very step
         try:
             welcome = self.client.receive_welcome(wait_s=wait_s)
             given_up = welcome is None and time.monotonic() - self._hello_at > self.client.timeout_s
         except DraftServerError as e:  # refused (full) or unreachable
-            log.info("no new draft session yet (%s)", e)
+            log.info("%s: no new draft session yet (%s)", self.client.name, e)
             welcome = None
             given_up = True
         if welcome is None:
             if given_up:  # try again after the backoff
+                log.warning("%s: no Welcome %.0f s after hello; trying again in %.1f s", self.client.name,
+                            time.monotonic() - self._hello_at, 2 * self._backoff_s)
                 self._hello_at = None
                 self._backoff_s = min(2 * self._backoff_s, self.BACKOFF_S[1])
                 self._retry_at = time.monotonic() + self._backoff_s
             return False
+        log.info("%s: new draft session %x, %.1f s after the last was lost", self.client.name, welcome.tag,
+                 time.monotonic() - self._down_at)
         self._hello_at = None
         self.down = False
         seq.sent = 0

@@ -150,6 +150,8 @@ class Ping(msgspec.Struct, array_like=True, frozen=True):
 class Pong(msgspec.Struct, array_like=True, frozen=True):
     tag: int
     sent: float
+    known: bool = True  # whether the server holds session `tag` (a draft server's answer; False after a
+    # restart or once the session was freed, so its target opens a new one without waiting for a refusal)
 
 
 class StatsRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -155,10 +155,13 @@ class Sessions:
             raise Refused("kv_full", f"the draft KV budget ({self.cfg.kv_budget_gib:g} GiB) is taken by other "
                           "sessions; go on without drafts and retry later")
 
-    def heartbeat(self, tag: int) -> None:
-        """A Ping with this tag came in (IO thread): the target is alive. The tag is the proof."""
+    def heartbeat(self, tag: int) -> bool:
+        """A Ping with this tag came in (IO thread): the target is alive. The tag is the proof.
+        Whether the session is held (its Pong says so)."""
         if tag in self._by_tag:
             self._pinged[tag] = time.monotonic()
+            return True
+        return False
 
     def free(self, s: Session, why: str) -> None:
         self._by_tag.pop(s.tag, None)

@@ -40,7 +40,7 @@ class Request:
 
 class Transport:
     def __init__(self, cfg: ServerConfig, q_in: queue.Queue, stats: ServerStats,
-                 on_ping: Callable[[int], None], stats_json: Callable[[], str]):
+                 on_ping: Callable[[int], bool], stats_json: Callable[[], str]):
         self.cfg = cfg
         self.bind = cfg.bind
         self.q_in = q_in
@@ -123,8 +123,7 @@ class Transport:
             self.stats.error("internal")
             return answer(P.Error("internal", str(e)[:200]))
         if isinstance(msg, P.Ping):
-            self.on_ping(msg.tag)
-            return answer(P.Pong(msg.tag, msg.sent))
+            return answer(P.Pong(msg.tag, msg.sent, self.on_ping(msg.tag)))
         if isinstance(msg, P.StatsRequest):
             return answer(P.Stats(self.stats_json()))
         if not isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):
