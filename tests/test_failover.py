@@ -183,6 +183,27 @@ def test_a_server_restarted_while_the_target_looked_away_is_noticed_at_once(rig)
     assert stats["sessions_open"] == 1 and "unknown_session" not in stats["errors"]
 
 
+def test_steps_that_ask_no_draft_still_open_and_keep_a_new_session(rig):
+    """A target that asks no draft for a while (none pays, or it paused after missed deadlines)
+    calls keep_up() at each step: that notices the lost session, says hello and reads the Welcome,
+    so the new session is held (its heartbeat pings it) before the target asks again."""
+    cfg = DraftConfig(depth=4)
+    drafter = RemoteDrafter(rig.client)
+    seq = drafter.start([5, 17, 33, 2], cfg, GREEDY, 0)
+    rig.kill()
+    rig.restart()
+    deadline = time.monotonic() + 20
+    while (drafter.outages == 0 or drafter.down) and time.monotonic() < deadline:
+        drafter.keep_up(seq)
+        time.sleep(0.1)
+    assert not drafter.down and drafter.outages == 1
+    tag = rig.client.tag
+    time.sleep(2 * rig.client.heartbeat_s)
+    assert not rig.client.session_gone()  # the new session is held
+    assert len(drafter.propose(seq, [7], cfg, GREEDY, max_depth=4, deadline_ms=5000)) > 0
+    assert rig.client.tag == tag and query_stats(rig.stars[-1].address)["sessions_open"] == 1
+
+
 @pytest.mark.parametrize("rig", [50], indirect=True)
 def test_a_late_draft_is_taken_below_the_tokens_committed_since(rig, dirs):
     """A draft asked without waiting is not lost when it comes late: the next request's call takes

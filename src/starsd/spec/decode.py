@@ -184,6 +184,8 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
                 policy.missed(depth, draft_ms)
         else:
             tree = DraftTree.empty()
+            if ask_ahead:
+                drafter.keep_up(dseq)  # a remote drafter reads what its server sent meanwhile
         t_verify = time.perf_counter()
         logits = target.score(seq, tree) if taps is None else target.score(seq, tree, taps)
         verdict = verify(tree, logits, sampling, verify_gen)

@@ -407,8 +407,7 @@ class RemoteDrafter:
         prefills the prompt and drafts while the target prefills it, and the first propose() finds
         its draft waiting (the draft's prefill no longer adds to the time to the first token)."""
         seq = RemoteSequence(list(prompt_ids), taps=self.taps)
-        if (cfg is not None and max_depth > 0 and not self.down and self.client.tag and seq.taps is None
-                and not self.client.session_gone()):
+        if cfg is not None and max_depth > 0 and self._session(seq, wait=False) and seq.taps is None:
             self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling)
             seq.pending = len(seq.tokens)
             seq.pending_since = time.monotonic()
@@ -440,9 +439,7 @@ class RemoteDrafter:
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
         until = None if deadline_ms is None else time.monotonic() + deadline_ms / 1e3
-        if not self.down and self.client.session_gone():  # restarted, or freed it: a new session at once
-            self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
-        if (self.down and not self._back(seq)) or time.monotonic() < seq.alone_until:
+        if not self._session(seq, wait=True) or time.monotonic() < seq.alone_until:
             self.timing.add((time.perf_counter() - t0) * 1e3)
             return DraftTree.empty()
         for attempt in range(2):
@@ -478,6 +475,21 @@ class RemoteDrafter:
         self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size)
         return tree
 
+    def keep_up(self, seq: RemoteSequence) -> None:
+        """On a step that asks no draft (spec/decode.py): a new session's Welcome is read, or a new
+        hello sent when one is due, as at any step. A target that stopped asking for a while (no
+        draft pays, or it paused after missed deadlines) would otherwise leave the Welcome unread,
+        and the server frees a session it hears nothing of."""
+        self._session(seq, wait=False)
+
+    def _session(self, seq: RemoteSequence, wait: bool) -> bool:
+        """Whether a session is open for a request now. A session the heartbeat's replies say is gone
+        (the server restarted, or freed it) is dropped, and a new one asked for at once; while down,
+        _back() (waiting for the Welcome only with `wait`)."""
+        if not self.down and self.client.session_gone():
+            self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
+        return not self.down or self._back(seq, wait)
+
     def _lost(self, seq: RemoteSequence, why: DraftServerError) -> None:
         """The session is gone: its server is silent or broken (a new hello waits for the backoff), or
         it answers but no longer holds the session (`unknown_session`: a new hello at once)."""
@@ -490,12 +502,12 @@ class RemoteDrafter:
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = time.monotonic() + (0.0 if why.code == "unknown_session" else self._backoff_s)
 
-    def _back(self, seq: RemoteSequence) -> bool:
+    def _back(self, seq: RemoteSequence, wait: bool = True) -> bool:
         """While down: once the server answers pings again and the backoff has passed, send a Hello on
-        a fresh socket and wait up to dead_after_s for its Welcome; if it has not come, look for it at
-        each later step without waiting (a server busy with a long batch answers late, and a client
-        that gave up and said hello again would leave a session behind each time). True once the
-        session is open."""
+        a fresh socket and (with `wait`) wait up to dead_after_s for its Welcome; if it has not come,
+        look for it at each later step without waiting (a server busy with a long batch answers
+        late, and a client that gave up and said hello again would leave a session behind each
+        time). True once the session is open."""
         wait_s = 0.0
         if self._hello_at is None:
             if time.monotonic() < self._retry_at or not self.client.reachable():
@@ -503,7 +515,8 @@ class RemoteDrafter:
             self.client.reopen()
             self._hello_at = time.monotonic()
             log.info("%s: hello for a new draft session, on a fresh connection", self.client.name)
-            wait_s = self.client.dead_after_s  # a server at ease answers at once: draft this very step
+            if wait:
+                wait_s = self.client.dead_after_s  # a server at ease answers at once: draft this very step
         try:
             welcome = self.client.receive_welcome(wait_s=wait_s)
             given_up = welcome is None and time.monotonic() - self._hello_at > self.client.timeout_s
