@@ -10,7 +10,8 @@ from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient, DraftServerError
 from starsd.star.launch import free_port
-from starsd.star.server import DraftServer
+from starsd.star.server import DraftServer, _to_ingest
+from starsd.star.transport import Request
 
 FP = "f" * 64
 GREEDY = SamplingConfig()
@@ -239,3 +240,41 @@ def test_a_request_refused_as_busy_costs_one_draft_not_the_session(tiny_target, 
         c.close()
     server.stop()
     thread.join(timeout=5)
+
+
+def test_batches_take_the_oldest_then_next_steps_before_new_prompts_within_a_token_budget(tiny_drafters):
+    """New prompts (resets) beside streams' next steps: each batch holds the oldest request, then
+    the steps before the prompts, and ingests at most batch_tokens tokens (a long prompt that is
+    the oldest goes alone); serial drafts in arrival order. Requests of freed sessions are dropped."""
+    drafter = tiny_drafters["good"]
+
+    def waiting(server, sizes):
+        out = []
+        for k, (prompt, new, reset) in enumerate(sizes):
+            s = server.sessions.open(b"p%d" % k, P.Hello(P.PROTOCOL_VERSION, FP, f"t{k}"))
+            s.seq = drafter.start(list(range(1, prompt + 1)))
+            if not reset:
+                s.seq.cached = prompt  # as if drafted before: only the request's tokens are new
+            t = torch.ones(prompt if reset else new, dtype=torch.int32)
+            msg = P.DraftRequest(s.tag, 1, reset, CHAIN[0] if reset else None, GREEDY if reset else None, 4,
+                                 P.specs(t))
+            out.append((s, Request(b"p%d" % k, msg, (t,), 0.0)))
+        return out
+
+    def batches(server):
+        out = []
+        while batch := server._next_batch():
+            out.append([_to_ingest(s, r) for s, r in batch])
+        return out
+
+    sizes = [(60, 0, True), (300, 0, True), (20, 2, False), (70, 0, True), (20, 1, False), (30, 0, True),
+             (20, 3, False), (20, 1, False)]
+    server = DraftServer(drafter, FP, 128, ServerConfig(max_batch=3, batch_tokens=100))
+    server._waiting = waiting(server, sizes)
+    assert batches(server) == [[60, 2, 1], [300], [70, 3, 1], [30]]
+    serial = DraftServer(drafter, FP, 128, ServerConfig(serial=True))
+    serial._waiting = waiting(serial, sizes)
+    assert batches(serial) == [[60], [300], [2], [70], [1], [30], [3], [1]]
+    server._waiting = waiting(server, sizes[:3])
+    server.sessions.free(server._waiting[0][0], "bye")
+    assert batches(server) == [[300], [2]]

@@ -195,6 +195,10 @@ class ServerConfig:
     session_timeout_s: float = setting(120.0, "free a session whose target has been silent this many seconds")
     serial: bool = setting(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
     max_batch: int = setting(32, "sessions drafted together in one batch at most")
+    batch_tokens: int = setting(1024, "tokens a batch ingests at most (prompts and other new tokens; its oldest "
+                                "request goes whatever its size): many new prompts at once (new streams, or every "
+                                "target back after a restart) are drafted over several short batches, streams' next "
+                                "steps first, with hellos, byes and timed-out sessions handled between them")
     queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
     max_context: int = setting(32768, "tokens one session may hold (prompt + generated); beyond it drafts are refused")
     kv_budget_gib: float = setting(8.0, "draft KV cache all sessions may hold together (GiB), counted from the draft "
@@ -211,7 +215,7 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port (0: off), not {self.metrics_port}")
-        for name in ("max_sessions", "max_batch", "max_context"):
+        for name in ("max_sessions", "max_batch", "max_context", "batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not (math.isfinite(self.kv_budget_gib) and self.kv_budget_gib > 0):

@@ -5,11 +5,16 @@ Its parts (DESIGN.md, principles 1-3):
   puts requests on Q_in; sends what the compute loop hands it.
 - sessions.py: per-target state under a session tag, and the rules a request must pass.
 - ahead.py: pre-drafting, the compute loop's work while no request waits.
-- this module: the compute loop. It owns the draft model. Whenever Q_in holds a draft request it
-  drafts ALL pending sessions together, one batched forward pass per tree level (or, with
-  `serial`, one request at a time: the reference code's behaviour, kept as the baseline). Each
-  reply goes out as soon as its batch is done, so a slow target never holds up the others, and a
-  batch that fails is retried one request at a time, so a bad request costs only itself.
+- this module: the compute loop. It owns the draft model. It takes every message waiting in Q_in
+  (hellos and byes at once, draft requests into the waiting list), drafts one batch of the
+  waiting requests, one batched forward pass per tree level (or, with `serial`, one request at a
+  time: the reference code's behaviour, kept as the baseline), and goes round again. A batch
+  holds the oldest request and then streams' next steps before new prompts, within `max_batch`
+  and `batch_tokens` (tokens to ingest), so a batch is short whatever waits behind it: hellos,
+  byes and timed-out sessions wait one batch at most, and a cheap step is not queued behind a
+  round of new prompts. Each reply goes out as soon as its batch is done, so a slow target never
+  holds up the others, and a batch that fails is retried one request at a time, so a bad request
+  costs only itself.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class DraftServer:
         self.q_in: queue.Queue[Request] = queue.Queue()
         self.transport = Transport(cfg, self.q_in, self.stats, self.sessions.heartbeat, self._stats_json)
         self.stopping = self.transport.stopping
+        self._waiting: list[tuple[Session, Request]] = []  # taken draft requests, oldest first, not yet drafted
         self._deferred: list[Request] = []  # a session's later request waits for its earlier one's batch
         self._stats_cache = "{}"
         self._stats_at = -1.0
@@ -62,10 +68,15 @@ class DraftServer:
                  "serial" if self.cfg.serial else "batched")
         try:
             while not self.stopping.is_set():
-                todo = self._predraft_todo()
-                self._handle(self._next_round(wait=not todo))
-                if todo and not self._deferred and self.q_in.empty():
+                todo = [] if self._waiting else self._predraft_todo()
+                self._handle(self._next_round(wait=not todo and not self._waiting))
+                if self._waiting:
+                    batch = self._next_batch()
+                    if batch:
+                        self._draft(batch)
+                elif todo and not self._deferred and self.q_in.empty():
                     self._predraft()
+                self.transport.backlog = len(self._waiting) + len(self._deferred)
                 self._reap()
         finally:
             self.stopping.set()
@@ -98,7 +109,8 @@ class DraftServer:
         """The counters as JSON, from a copy at most 0.2 s old: a flood of StatsRequests stays cheap."""
         now = time.monotonic()
         if now - self._stats_at > 0.2:
-            self._stats_cache = json.dumps(self.stats.snapshot(len(self.sessions), self.q_in.qsize()))
+            self._stats_cache = json.dumps(self.stats.snapshot(len(self.sessions),
+                                                               self.q_in.qsize() + self.transport.backlog))
             self._stats_at = now
         return self._stats_cache
 
@@ -118,25 +130,46 @@ class DraftServer:
                 return pending
 
     def _handle(self, pending: list[Request]) -> None:
-        drafts: list[tuple[Session, Request]] = []
-        in_round: set[int] = set()
+        """Take each message: hellos and byes are answered, draft requests join the waiting list (a
+        pre-draft may answer one at once). A session has one request waiting at most: a later one
+        waits for its earlier one's batch, in order."""
+        waiting = {s.tag for s, _ in self._waiting}
         for req in pending:
-            if isinstance(req.msg, P.DraftRequest) and req.msg.tag in in_round:
-                self._deferred.append(req)  # one request per session per batch, in order
+            if isinstance(req.msg, P.DraftRequest) and req.msg.tag in waiting:
+                self._deferred.append(req)
                 continue
             s = self._take(req)
             if s is None:
                 continue
-            in_round.add(s.tag)
             if s.ahead is not None and self._answer_ahead(s, req):
                 continue
-            drafts.append((s, req))
+            waiting.add(s.tag)
+            self._waiting.append((s, req))
+
+    def _next_batch(self) -> list[tuple[Session, Request]]:
+        """The next batch, taken off the waiting list: the oldest request, then the cheapest kind
+        first (streams' next steps before new prompts, each kind oldest first), at most max_batch
+        requests (1 when serial) and batch_tokens tokens to ingest (the oldest goes whatever its
+        size). A prompt costs the draft model ~10 ms a token on a small CPU: a batch of 64 new
+        prompts kept a server from its hellos, its byes and its reaping for two minutes. Requests
+        of sessions freed meanwhile (bye, timeout) are dropped."""
+        self._waiting = [(s, r) for s, r in self._waiting if s.tag in self.sessions]
+        if not self._waiting:
+            return []
         size = 1 if self.cfg.serial else self.cfg.max_batch
-        for i in range(0, len(drafts), size):
-            if self.stopping.is_set():  # stop within one batch, however long the queue
-                return
-            self._draft(drafts[i:i + size])
-            self._control()
+        oldest, *rest = self._waiting
+        batch = [oldest]
+        tokens = _to_ingest(*oldest)
+        for item in sorted(rest, key=lambda item: item[1].msg.reset):  # stable: oldest first within a kind
+            if len(batch) == size:
+                break
+            cost = _to_ingest(*item)
+            if tokens + cost <= self.cfg.batch_tokens:
+                batch.append(item)
+                tokens += cost
+        chosen = {s.tag for s, _ in batch}
+        self._waiting = [(s, r) for s, r in self._waiting if s.tag not in chosen]
+        return batch
 
     def _reap(self) -> None:
         """Free the sessions of silent targets, at most once a second (four times per timeout where
@@ -144,22 +177,6 @@ class DraftServer:
         if time.monotonic() - self._reaped_at > min(1.0, self.cfg.session_timeout_s / 4):
             self.sessions.reap()
             self._reaped_at = time.monotonic()
-
-    def _control(self) -> None:
-        """Between the batches of a round: answer the hellos and byes that came meanwhile at once, and
-        free silent sessions (a round of many batches can take long, and a target waiting for its
-        Welcome decodes alone); draft requests wait for the next round, after those deferred
-        already, in arrival order."""
-        self._reap()
-        while True:
-            try:
-                req = self.q_in.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(req.msg, (P.Hello, P.Bye)):
-                self._take(req)
-            else:
-                self._deferred.append(req)
 
     def _take(self, req: Request) -> Session | None:
         """Handle one message; return its session when it is a draft request to serve."""
@@ -270,3 +287,10 @@ class DraftServer:
         s, r = items[0]
         s.seq = None  # its draft state may be half-updated: require a reset
         self._refuse(r, "reset_required", "drafting failed; resend the whole sequence with reset")
+
+
+def _to_ingest(s: Session, req: Request) -> int:
+    """Tokens the draft model must ingest for a request before it drafts: its session's uncached ones
+    (a reset's whole sequence), the tokens carried from refused steps and the request's own."""
+    carried = 0 if req.msg.reset else len(s.carry) + req.tensors[0].shape[0]
+    return len(s.seq.tokens) - s.seq.cached + carried

@@ -46,6 +46,7 @@ class Transport:
         self.q_in = q_in
         self.stats = stats
         self.queue_limit = cfg.queue_limit
+        self.backlog = 0  # requests the compute loop has taken off Q_in and not yet drafted (it sets this)
         self.on_ping = on_ping  # a live session's heartbeat
         self.stats_json = stats_json  # the answer to a StatsRequest
         self.ctx = zmq.Context()
@@ -129,7 +130,7 @@ class Transport:
         if not isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):
             self.stats.error("unexpected")
             return answer(P.Error("unexpected", f"{type(msg).__name__} is not a request"))
-        if self.q_in.qsize() >= self.queue_limit:  # not taken: the target goes on without this draft
+        if self.q_in.qsize() + self.backlog >= self.queue_limit:  # not taken: the target goes on without this draft
             self.stats.error("busy")
             tag = 0 if isinstance(msg, P.Hello) else msg.tag
             step = msg.step if isinstance(msg, P.DraftRequest) else -1
