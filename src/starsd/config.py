@@ -195,7 +195,7 @@ class ServerConfig:
     session_timeout_s: float = setting(120.0, "free a session whose target has been silent this many seconds")
     serial: bool = setting(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
     max_batch: int = setting(32, "sessions drafted together in one batch at most")
-    batch_tokens: int = setting(1024, "tokens a batch ingests at most (prompts and other new tokens; its oldest "
+    batch_tokens: int = setting(512, "tokens a batch ingests at most (prompts and other new tokens; its oldest "
                                 "request goes whatever its size): many new prompts at once (new streams, or every "
                                 "target back after a restart) are drafted over several short batches, streams' next "
                                 "steps first, with hellos, byes and timed-out sessions handled between them")
