@@ -10,7 +10,7 @@ from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, 
 from starsd.emulate.delay_proxy import DelayProxy
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
-from starsd.spec.decode import speculative, target_only
+from starsd.spec.decode import speculative, speculative_steps, target_only
 from starsd.spec.depth import DepthPolicy
 from starsd.star.client import DraftClient, RemoteDrafter, query_stats
 from starsd.star.launch import free_port, start_server
@@ -272,3 +272,25 @@ def test_a_target_that_will_not_wait_for_a_slow_server_still_uses_its_drafts(dir
         rig.close()
     assert drafter.timing.ahead >= 2 and drafter.timing.taken_late >= 2
     assert gen.num_steps < len(gen.token_ids) - 4, "late drafts were not accepted"
+
+
+def test_a_first_draft_not_there_when_the_prefill_ends_is_not_waited_for(dirs):
+    """The first draft is asked before the target's prefill, so it is drafted meanwhile. If it has
+    not come when the prefill ends (here a 600 ms round trip against a prefill of milliseconds),
+    the first step decodes alone at once and the draft is taken at a later step, below the tokens
+    committed meanwhile. The policy's first guesses would have waited for it up to ~1 s."""
+    rig = Rig({"target": dirs["target"], "draft": dirs["target"]}, delay_ms=300)
+    try:
+        drafter = RemoteDrafter(rig.client)
+        prompt = [5, 17, 33, 2]
+        t0 = time.time()
+        steps = speculative_steps(Slowed(rig.target, 100), drafter, prompt, 16,
+                                  DraftConfig(depth=10, min_path_prob=0.0), GREEDY, policy=DepthPolicy(10))
+        first = next(steps)
+        first_s = first.end - t0
+        rest = list(steps)
+    finally:
+        rig.close()
+    assert first.depth == 0 and first.asked > 0 and first_s < 0.45
+    assert first.tokens + [t for s in rest for t in s.tokens] == target_only(rig.target, prompt, 16, GREEDY).token_ids
+    assert drafter.timing.taken_late >= 1 and any(s.depth > 0 for s in rest)

@@ -166,7 +166,10 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         draft_ms = None
         ahead = policy.ahead(budget - 1, dseq.lateness) if ask_ahead and depth == 0 and produced else 0
         if depth > 0 or ahead:
-            deadline_ms = (policy.deadline_ms(depth) if depth else 0) if policy else None
+            # a first draft asked before the prefill has had all of it: taken if here, else decoded
+            # without and taken late (no miss: a server busy with other prompts is not a slow one)
+            first = ask_ahead and not produced and dseq.pending
+            deadline_ms = (policy.deadline_ms(depth) if depth and not first else 0) if policy else None
             t_draft = time.perf_counter()
             tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth or ahead,
                                    deadline_ms=deadline_ms,
@@ -174,7 +177,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
             draft_ms = (time.perf_counter() - t_draft) * 1e3
             new_tokens = []
             new_features = []
-            if ask_ahead and (dseq.behind or not depth):  # asked at an earlier step and not waited
+            if ask_ahead and (dseq.behind or not depth or first):  # asked earlier and not waited
                 # for: it costs no wait now, so it is verified as deep as that pays
                 tree = tree.truncate(policy.worth(min(tree.depth(), budget - 1)))
                 draft_ms = None
