@@ -508,15 +508,15 @@ class RemoteDrafter:
         look for it at each later step without waiting (a server busy with a long batch answers
         late, and a client that gave up and said hello again would leave a session behind each
         time). True once the session is open."""
-        wait_s = 0.0
         if self._hello_at is None:
             if time.monotonic() < self._retry_at or not self.client.reachable():
                 return False
             self.client.reopen()
             self._hello_at = time.monotonic()
             log.info("%s: hello for a new draft session, on a fresh connection", self.client.name)
-            if wait:
-                wait_s = self.client.dead_after_s  # a server at ease answers at once: draft this very step
+        # a server at ease answers within dead_after_s of the hello: with `wait`, wait out what is left
+        # of that, to draft this very step
+        wait_s = max(0.0, self.client.dead_after_s - (time.monotonic() - self._hello_at)) if wait else 0.0
         try:
             welcome = self.client.receive_welcome(wait_s=wait_s)
             given_up = welcome is None and time.monotonic() - self._hello_at > self.client.timeout_s
