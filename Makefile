@@ -25,7 +25,7 @@ demo: models
 
 # The real pair was just fetched: its tests must run, not skip.
 test: models
-	STARSD_REQUIRE_REAL=1 $(PY) -m pytest -q
+	STARSD_REQUIRE_REAL=1 $(PY) -m pytest -q --durations=15
 
 bench: models
 	$(VENV)/bin/starsd bench colocated --prompts humaneval --limit 16 --json-out results/colocated.json

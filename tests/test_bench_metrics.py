@@ -2,6 +2,7 @@
 end to end on tiny models (real draft server, replay targets)."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -120,6 +121,31 @@ def test_out_of_sample_profile_takes_the_sweeps_shape_and_the_n1_points_scale():
     assert got.service_ms == pytest.approx({1: 110.0, 2: 160.0})
     assert got.return_ms == 300.0 and got.tokens_per_iteration == 3.0
     assert scale.calibrated_profile(points[1:], {"1": [50.0]}, in_sample) is None
+    whole = scale.calibrated_profile(points, {"1": [50.0]}, in_sample, tokens=[2, 5, 5])  # the recording's tau
+    assert whole.tokens_per_iteration == 4.0 and whole.tokens_samples == (2, 5, 5) and whole.return_ms == 300.0
+
+
+def test_acceptance_covers_every_recorded_continuation(tmp_path):
+    """tau's samples come from the whole recording: a draft that is the target itself is always
+    accepted, so each iteration commits the depth plus the target's token, to each continuation's end."""
+    from starsd.bench.harness import measure_acceptance
+    from starsd.emulate.replay import record
+    from starsd.models.drafter import Drafter
+    from starsd.models.loading import load_model
+    from starsd.prompts import load as load_prompts
+
+    t, _ = tiny.save_pair(tmp_path)
+    cfg = C.ModelConfig(t, dtype="float32")
+    rec = record(cfg, load_prompts("humaneval", 3), 23, str(tmp_path), log=lambda *_: None)
+    tokens = measure_acceptance(Drafter(load_model(cfg, str(tmp_path))), rec,
+                                C.DraftConfig(depth=4, adaptive=False, min_path_prob=0.0))
+    expected = []
+    for p in rec.prompts.values():
+        left = len(p["continuation"])
+        while left >= 2:  # the last draft is cut to the tokens left
+            expected.append(min(5, left))
+            left -= expected[-1]
+    assert sorted(tokens) == sorted(expected) and len(tokens) >= 15
 
 
 def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
@@ -157,6 +183,8 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     assert set(checks["per_target_vs_target_only"]) == {"star", "adaptive", "predraft", "batched", "batched-d2", "serial"}
     oos = checks["out_of_sample"]
     assert set(oos["batched"]["throughput_errors"]) == {"3"} and oos["batched"]["n_full_predicted"] > 0
+    assert oos["profile_tokens_per_iteration"] == pytest.approx(statistics.fmean(result["acceptance_tokens"]), abs=1e-3)
+    assert oos["batched"]["n_full_measured_iterations"] > 0
     assert [r["n"] for r in checks["predraft_vs_batched"]] == [r["n"] for r in checks["star_vs_adaptive"]] == [1, 3]
     assert "replay" in result["replay"]["targets"]
     assert set(result["n_full"]) == {"serial", "batched"}

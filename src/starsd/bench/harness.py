@@ -231,35 +231,72 @@ def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.D
     return out
 
 
+class _Group:
+    """Recorded prompts drafted together as one batch, each fed its real target's accepted tokens
+    after every draft, as a replay target with no verify latency would (for an EAGLE head, with the
+    recorded `features`)."""
+
+    def __init__(self, drafter: Drafter, rec: Recording, rows: list[list[int]], features: dict | None):
+        self.drafter, self.taps = drafter, drafter.taps
+        self.judge = ReplayTarget(rec, LatencyProfile({1: (1e-6,)}), features=features)
+        self.seqs = [drafter.start(r) for r in rows]
+        self.judged = [self.judge.start(r, self.taps) for r in rows]
+        self.new: list[list[int]] = [[] for _ in rows]
+        self.feats = [j.features for j in self.judged]  # the new tokens' features (EAGLE), else None
+
+    def left(self) -> list[int]:
+        """Tokens left in each row's recording."""
+        return [len(j.continuation) - j.position for j in self.judged]
+
+    def step(self, rows: list[int], cfg: C.DraftConfig, timed: dict[str, list[float]] | None = None) -> list[int]:
+        """Draft these rows in one batch (its wall time and bound appended to `timed`, if given),
+        verify and commit each draft; the tokens each row committed (accepted + the target's own)."""
+        left = self.left()
+        jobs = [DraftJob(self.seqs[i], self.new[i], cfg, C.SamplingConfig(), None, left[i] - 1,
+                         features=self.feats[i]) for i in rows]
+        self.drafter.passes = [] if timed is not None else None
+        t0 = time.perf_counter()
+        trees = self.drafter.propose_batch(jobs)
+        if timed is not None:
+            timed["service_ms"].append((time.perf_counter() - t0) * 1e3)
+            timed["bound_ms"].append(bound_ms(self.drafter.model, self.drafter.passes))
+        self.drafter.passes = None
+        committed = []
+        for i, tree in zip(rows, trees):
+            j, tree = self.judged[i], tree.truncate(left[i] - 1)
+            verdict = verify_greedy(tree, self.judge.score(j, tree, self.taps))
+            if self.taps is not None:
+                self.feats[i] = j.features[torch.tensor([0] + [p + 1 for p in verdict.path])]
+            self.judge.commit(j, verdict)
+            self.new[i] = verdict.tokens
+            committed.append(len(verdict.tokens))
+        return committed
+
+
 def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.DraftConfig,
                 reps: int, features: dict | None) -> dict[str, list[float]]:
-    judge = ReplayTarget(rec, LatencyProfile({1: (1e-6,)}), features=features)
-    taps = drafter.taps
-    seqs = [drafter.start(r) for r in rows]
-    judged = [judge.start(r, taps) for r in rows]
-    new: list[list[int]] = [[] for _ in rows]
-    feats = [j.features for j in judged]  # the new tokens' features (EAGLE), else None
+    group = _Group(drafter, rec, rows, features)
     out = {"service_ms": [], "bound_ms": []}
     for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, dropped
-        budget = [len(j.continuation) - j.position for j in judged]  # tokens left in the recording
-        if min(budget) < 2:
+        if min(group.left()) < 2:
             raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
-        jobs = [DraftJob(s, t, cfg, C.SamplingConfig(), None, k - 1, features=f)
-                for s, t, k, f in zip(seqs, new, budget, feats)]
-        drafter.passes = []
-        t0 = time.perf_counter()
-        trees = drafter.propose_batch(jobs)
-        if rep:
-            out["service_ms"].append((time.perf_counter() - t0) * 1e3)
-            out["bound_ms"].append(bound_ms(drafter.model, drafter.passes))
-        drafter.passes = None
-        for i, (tree, j) in enumerate(zip(trees, judged)):
-            tree = tree.truncate(budget[i] - 1)
-            verdict = verify_greedy(tree, judge.score(j, tree, taps))
-            if taps is not None:
-                feats[i] = j.features[torch.tensor([0] + [p + 1 for p in verdict.path])]
-            judge.commit(j, verdict)
-            new[i] = verdict.tokens
+        group.step(list(range(len(rows))), cfg, out if rep else None)
+    return out
+
+
+def measure_acceptance(drafter: Drafter, rec: Recording, cfg: C.DraftConfig,
+                       features: dict | None = None) -> list[int]:
+    """Tokens a target commits per iteration (tau's samples) over the whole recorded continuation of
+    every prompt, drafted as `cfg` says and verified greedily against the real target's tokens: the
+    workload's acceptance, not that of the few prompts a short window at N = 1 reaches. The prompts
+    are drafted together, a batch per step (drafts do not depend on the batch)."""
+    group = _Group(drafter, rec, [p["prompt_ids"] for p in rec.prompts.values()], features)
+    out = []
+    with Steps("acceptance over the recording", 1) as steps:
+        steps.begin("every prompt to its end")
+        while rows := [i for i, n in enumerate(group.left()) if n >= 2]:
+            out += group.step(rows, cfg)
+        steps.end(f"acceptance: {statistics.fmean(out):.2f} tokens per iteration over {len(out)} iterations")
     return out
 
 

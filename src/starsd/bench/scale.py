@@ -136,25 +136,34 @@ def eagle_figures(points: list[dict], its: dict, target_only: dict, max_batch: i
             "tokens_per_iteration": profile.tokens_per_iteration}
 
 
-def calibrated_profile(points: list[dict], sweep: dict, in_sample: sysmodel.Profile) -> sysmodel.Profile | None:
-    """The model's inputs from a separate run only, for an out-of-sample prediction: the shape of
+def calibrated_profile(points: list[dict], sweep: dict, in_sample: sysmodel.Profile,
+                       tokens: list[int] | None = None) -> sysmodel.Profile | None:
+    """The model's inputs from separate runs only, for an out-of-sample prediction: the shape of
     S(b) from the service sweep (this process, no targets beside it), scaled to the draft server's
-    own S(1) at the batched N = 1 point, and R and tau from that point (as in-sample). No other
-    point is used. None without a sweep or a batched N = 1 point."""
+    own S(1) at the batched N = 1 point; R from that point (as in-sample); tau from `tokens`, the
+    tokens per iteration over the whole recording (`harness.measure_acceptance`), else from that
+    point. No other point is used. None without a sweep or a batched N = 1 point."""
     one = next((p for p in points if p["mode"] == "batched" and p["n"] == 1), None)
     sweep = {int(b): statistics.fmean(v) for b, v in (sweep or {}).items() if v}
     s1 = [ms for b, ms in (one or {}).get("batch_times", []) if b == 1]
     if not s1 or 1 not in sweep:
         return None
     scale = statistics.fmean(s1) / sweep[1]
-    return dataclasses.replace(in_sample, service_ms={b: v * scale for b, v in sorted(sweep.items())})
+    out = dataclasses.replace(in_sample, service_ms={b: v * scale for b, v in sorted(sweep.items())})
+    if tokens:
+        out = dataclasses.replace(out, tokens_per_iteration=statistics.fmean(tokens), tokens_samples=tuple(tokens))
+    return out
 
 
 def out_of_sample(points: list[dict], profile: sysmodel.Profile | None) -> dict:
-    """The calibrated model's errors at every N but the one it was calibrated on, and on N_full."""
+    """The calibrated model's errors at every N but the one it was calibrated on, and on N_full.
+    N_full is measured twice: as the model defines it, in iterations (the saturated server's
+    iteration rate over the N = 1 point's), and in tokens (as `n_full`), which also moves with the
+    acceptance of the prompts each window happened to cover."""
     if profile is None:
         return {}
-    out = {"profile_service_ms": {str(b): round(v, 1) for b, v in profile.service_ms.items()}}
+    out = {"profile_service_ms": {str(b): round(v, 1) for b, v in profile.service_ms.items()},
+           "profile_tokens_per_iteration": round(profile.tokens_per_iteration, 3)}
     for mode in ("serial", "batched"):
         mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["n"])
         if not mine:
@@ -163,10 +172,14 @@ def out_of_sample(points: list[dict], profile: sysmodel.Profile | None) -> dict:
                                      / p["system_tokens_per_s"] - 1, 3) for p in mine if p["n"] != 1}
         predicted = sysmodel.n_full(profile, mode == "serial")
         measured = mine[0]["n_full_measured"] if mine[0]["n"] == 1 else None
+        rate = [p["iterations"] / p["window_s"] for p in mine if p.get("window_s")]
+        in_its = max(rate) / rate[0] if measured and len(rate) == len(mine) and rate[0] else None
         out[mode] = {"throughput_errors": errors,
                      "throughput_max_error": max(map(abs, errors.values())) if errors else None,
                      "n_full_predicted": predicted, "n_full_measured": measured,
-                     "n_full_error": abs(predicted / measured - 1) if measured else None}
+                     "n_full_error": abs(predicted / measured - 1) if measured else None,
+                     "n_full_measured_iterations": in_its,
+                     "n_full_error_iterations": abs(predicted / in_its - 1) if in_its else None}
     return out
 
 
@@ -364,7 +377,8 @@ def reanalyse(path: str, seed: int) -> int:
     result = json.loads(Path(path).read_text())
     profile = sysmodel.Profile.from_json(result["profile"])
     n_full = annotate(result["points"], profile, seed)
-    calibrated = calibrated_profile(result["points"], result.get("service_sweep_ms"), profile)
+    calibrated = calibrated_profile(result["points"], result.get("service_sweep_ms"), profile,
+                                    result.get("acceptance_tokens"))
     result.update(n_full=n_full, checks=checks(result["points"], n_full, calibrated))
     write_json(path, {k: v for k, v in result.items() if k != "meta"} | {"reanalysed_from": result.get("meta")})
     plot(str(path).rsplit(".", 1)[0], result)
@@ -409,6 +423,7 @@ def main(args) -> int:
     drafter = Drafter(load_model(pair.draft_model(), pair.cache))
     service = {b: v["service_ms"] for b, v in harness.measure_service(drafter, inputs.recording, sizes,
                                                                        inputs.draft).items()}
+    tokens = harness.measure_acceptance(drafter, inputs.recording, inputs.draft)
     del drafter
     eagle_service = {}
     if pair.eagle:
@@ -447,12 +462,12 @@ def main(args) -> int:
                 star.close()
     profile = build_profile(points, its[("batched", 1)], alone, args.max_batch)
     n_full = annotate(points, profile, args.seed)
-    calibrated = calibrated_profile(points, service, profile)
+    calibrated = calibrated_profile(points, service, profile, tokens)
     result = {
         "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
                    "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
-        "profile": profile.to_json(), "service_sweep_ms": service,
+        "profile": profile.to_json(), "service_sweep_ms": service, "acceptance_tokens": tokens,
         "n_full": n_full,
         "checks": checks(points, n_full, calibrated), "points": points,
     }
