@@ -125,6 +125,12 @@ def test_out_of_sample_profile_takes_the_sweeps_shape_and_the_n1_points_scale():
     assert whole.tokens_per_iteration == 4.0 and whole.tokens_samples == (2, 5, 5) and whole.return_ms == 300.0
 
 
+def test_predraft_ceiling_is_every_draft_answered_at_once():
+    its = [metrics.Iteration("t", 0.0, 1.0, 3, wall_ms=250.0), metrics.Iteration("t", 1.0, 1.5, 1)]
+    assert scale.predraft_ceiling(its) == pytest.approx(1500 / 1250)
+    assert scale.predraft_ceiling([]) is None
+
+
 def test_acceptance_covers_every_recorded_continuation(tmp_path):
     """tau's samples come from the whole recording: a draft that is the target itself is always
     accepted, so each iteration commits the depth plus the target's token, to each continuation's end."""
@@ -185,6 +191,7 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     assert set(oos["batched"]["throughput_errors"]) == {"3"} and oos["batched"]["n_full_predicted"] > 0
     assert oos["profile_tokens_per_iteration"] == pytest.approx(statistics.fmean(result["acceptance_tokens"]), abs=1e-3)
     assert oos["batched"]["n_full_measured_iterations"] > 0
+    assert checks["predraft_ceiling_n1"] > 1
     assert [r["n"] for r in checks["predraft_vs_batched"]] == [r["n"] for r in checks["star_vs_adaptive"]] == [1, 3]
     assert "replay" in result["replay"]["targets"]
     assert set(result["n_full"]) == {"serial", "batched"}
@@ -201,6 +208,7 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
         assert (tmp_path / f"scale{suffix}.png").stat().st_size > 1000  # redrawn
     redone = json.loads(out.read_text())
     assert redone["points"] == result["points"] and redone["reanalysed_from"] == result["meta"]
+    assert redone["checks"]["predraft_ceiling_n1"] == checks["predraft_ceiling_n1"]
 
 
 def test_multihost_benchmark_across_namespaces(tmp_path):

@@ -158,3 +158,17 @@ def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
     for i in range(200):
         policy.observe(2, int(i % 10 != 0), 5.0, 3, table(3))
     assert policy.worth(8) == 0 and policy.ahead(8) == 0
+
+
+def test_no_draft_is_asked_ahead_that_would_come_too_late_but_now_and_then_one_is():
+    """As above (a draft right for three tokens, 100 ms a token alone), but the server takes 2 s on
+    a request: 20 tokens pass before a draft at most 8 deep comes, so none is asked but a probe
+    16 steps on, then 32, 64 and 128 apart; once the server's replies say 150 ms (two tokens),
+    drafts are asked ahead at every step again."""
+    policy = DepthPolicy(8, explore=16)
+    run(policy, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000, right=3)
+    asks = [policy.ahead(8, 1.0, server_ms=2000.0) for _ in range(400)]
+    probes = [i for i, d in enumerate(asks) if d]
+    assert probes == [15, 47, 111, 239, 367] and {asks[i] for i in probes} == {8}
+    assert policy.ahead(8, 1.0, server_ms=150.0) == 4  # 6 levels left after two tokens: 3 of them pay
+    assert policy.ahead(8, 1.0, server_ms=2000.0) == 0 and policy.late_probes == 0  # back to 16 steps apart

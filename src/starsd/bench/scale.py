@@ -279,6 +279,15 @@ def predraft_checks(by: dict[str, list[dict]]) -> dict:
     return out
 
 
+def predraft_ceiling(alone: list[metrics.Iteration]) -> float | None:
+    """The most pre-drafting could gain at N = 1 (`alone`: the batched N = 1 point's iterations): every
+    draft answered at once, each iteration shorter by its draft's round trip and nothing else. A
+    target whose verify dwarfs its draft's wait has little to win here, whatever the hit rate."""
+    total = sum(it.ms for it in alone)
+    saved = sum(it.wall_ms for it in alone)
+    return total / (total - saved) if alone and total > saved else None
+
+
 COLOURS = {"target-only": "#7f7f7f", "single-pair": "#2ca02c", "serial": "#ff7f0e", "batched": "#1f77b4",
            "adaptive": "#d62728", "predraft": "#9467bd", "star": "#000000", "eagle": "#e6ab02"}
 MORE_COLOURS = ["#8c564b", "#e377c2", "#17becf", "#bcbd22"]  # batched-dD modes, in turn
@@ -358,6 +367,11 @@ def show(result: dict, json_out: str, extra_files: dict[str, str] | None = None)
     if result["checks"].get("adaptive_min_vs_best_fixed") is not None:
         facts["adaptive depth"] = (f"{result['checks']['adaptive_min_vs_best_fixed']:.2f}x the best fixed depth "
                                    "at its worst N")
+    if result["checks"].get("predraft_ceiling_n1"):
+        facts["pre-drafting"] = (f"at most {result['checks']['predraft_ceiling_n1']:.2f}x at N=1 (every draft "
+                                 "answered at once), " + ", ".join(
+                                     f"{r['ratio']:.2f}x at N={r['n']} ({r['hit_rate']:.0%} hits)"
+                                     for r in result["checks"].get("star_vs_adaptive", [])))
     stem = str(json_out).rsplit(".", 1)[0]
     files = {"JSON": json_out, "plots": f"{stem}.png, {stem}-utilization.png"
              + (f", {stem}-latency.png" if result.get("latency_cdf_ms") else ""), **(extra_files or {})}
@@ -379,7 +393,8 @@ def reanalyse(path: str, seed: int) -> int:
     n_full = annotate(result["points"], profile, seed)
     calibrated = calibrated_profile(result["points"], result.get("service_sweep_ms"), profile,
                                     result.get("acceptance_tokens"))
-    result.update(n_full=n_full, checks=checks(result["points"], n_full, calibrated))
+    measured_only = {k: v for k, v in result["checks"].items() if k == "predraft_ceiling_n1"}  # needs iterations
+    result.update(n_full=n_full, checks=checks(result["points"], n_full, calibrated) | measured_only)
     write_json(path, {k: v for k, v in result.items() if k != "meta"} | {"reanalysed_from": result.get("meta")})
     plot(str(path).rsplit(".", 1)[0], result)
     show(result, path)
@@ -471,6 +486,7 @@ def main(args) -> int:
         "n_full": n_full,
         "checks": checks(points, n_full, calibrated), "points": points,
     }
+    result["checks"]["predraft_ceiling_n1"] = predraft_ceiling(its[("batched", 1)])
     if pair.eagle:
         result["eagle"] = eagle_figures(points, its, alone, args.max_batch, eagle_service) | {"head": pair.eagle}
     result["latency_cdf_ms"] = latency_cdf(its, n_full)

@@ -7,7 +7,8 @@ target); a drafter has `device`, `taps`, `start` and `propose` (models.drafter.D
 process, star.client.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
 can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
 as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
-it gave is, and `lateness` how many tokens such drafts usually come after their ask). A drafter
+it gave is, `lateness` how many tokens such drafts usually come after their ask, and `server_ms`
+the server's own time on one). A drafter
 whose `taps` is not None drafts from the target's features (an EAGLE head): each committed token
 goes to it with the target's feature of the position before it. `start` is told the first step's
 draft before the target's prefill, so that a remote drafter can draft while the target prefills.
@@ -164,7 +165,8 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         elif taps is not None and len(prompt_ids) < 2:
             depth = 0  # one token has no feature before it: nothing for a head to draft from yet
         draft_ms = None
-        ahead = policy.ahead(budget - 1, dseq.lateness) if ask_ahead and depth == 0 and produced else 0
+        ahead = (policy.ahead(budget - 1, dseq.lateness, dseq.server_ms)
+                 if ask_ahead and depth == 0 and produced else 0)
         if depth > 0 or ahead:
             # a first draft asked before the prefill has had all of it: taken if here, else decoded
             # without and taken late (no miss: a server busy with other prompts is not a slow one)

@@ -168,6 +168,8 @@ class DepthPolicy:
     idle_looks: int = 0  # looks in a row at drafting while decoding alone (each doubles the interval)
     paused: int = 0  # steps left to decode alone after a missed deadline
     misses: int = 0  # deadlines missed in a row (each doubles the next pause)
+    late_asks: int = 0  # steps since the last draft asked ahead while the server was too slow for one
+    late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -192,13 +194,30 @@ class DepthPolicy:
         """How deep to verify a draft already here, at most `limit` deep (0: decode alone after all)."""
         return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.here)
 
-    def ahead(self, limit: int, behind: float = 1.0) -> int:
+    def ahead(self, limit: int, behind: float = 1.0, server_ms: float = 0.0) -> int:
         """The depth to ask of a remote drafter, without waiting, on a step that decodes alone: the
         depth that would pay if it were here, plus the tokens committed before it can be used
         (`behind`: this step's and any more while it travels; 0: no draft would pay even free, so
-        none is asked)."""
+        none is asked). A draft that would come too late to be of use is not asked: where the
+        server's own time on a request (`server_ms`: its queue and draft, as its replies say) lets
+        this stream commit so many tokens alone that no part of the deepest draft would still pay,
+        asking only loads a saturated server with drafts nobody takes. Such steps ask only now and
+        then (`explore` steps apart, twice as far after each such ask, up to 8 x explore), so that a
+        server that catches up is noticed."""
         best = self.worth(limit)
-        return min(best + max(1, math.ceil(behind)), limit, self.max_depth) if best else 0
+        if not best:
+            return 0
+        cap = min(limit, self.max_depth)
+        late = max(1, math.ceil(behind), math.ceil(server_ms / max(self.verify_ms(1), 1e-6)))
+        if not self.worth(cap - late):
+            self.late_asks += 1
+            if self.late_asks < self.explore << min(self.late_probes, 3):
+                return 0
+            self.late_asks = 0
+            self.late_probes += 1
+            return cap  # a probe: its reply tells how long the server takes now
+        self.late_asks = self.late_probes = 0
+        return min(best + max(1, math.ceil(behind)), cap)
 
     def choose(self, limit: int) -> int:
         """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""

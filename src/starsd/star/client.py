@@ -306,6 +306,8 @@ class RemoteSequence:
     behind: int = 0  # the last draft given was asked this many committed tokens ago (0: for the current prefix)
     lateness: float = 1.0  # tokens committed between a request and the reading of its reply, when that came
     # after the target had gone on (a running average; a draft asked ahead needs to be this much deeper)
+    server_ms: float = 0.0  # the draft server's time on a request (queue + draft), as its replies say: a
+    # running average (what a draft asked ahead comes after, at the least)
 
     def add_features(self, chunk: torch.Tensor) -> None:
         self.features.append(chunk)
@@ -473,6 +475,7 @@ class RemoteDrafter:
             self.timing.taken_late += 1
             wall = (time.monotonic() - seq.pending_since) * 1e3
         self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size)
+        seq.server_ms += 0.25 * (reply.queue_ms + reply.service_ms - seq.server_ms)
         return tree
 
     def keep_up(self, seq: RemoteSequence) -> None:
