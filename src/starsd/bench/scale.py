@@ -172,8 +172,8 @@ def out_of_sample(points: list[dict], profile: sysmodel.Profile | None) -> dict:
                                      / p["system_tokens_per_s"] - 1, 3) for p in mine if p["n"] != 1}
         predicted = sysmodel.n_full(profile, mode == "serial")
         measured = mine[0]["n_full_measured"] if mine[0]["n"] == 1 else None
-        rate = [p["iterations"] / p["window_s"] for p in mine if p.get("window_s")]
-        in_its = max(rate) / rate[0] if measured and len(rate) == len(mine) and rate[0] else None
+        rate = [p["iterations"] / p["window_s"] for p in mine]
+        in_its = max(rate) / rate[0] if measured and rate[0] else None
         out[mode] = {"throughput_errors": errors,
                      "throughput_max_error": max(map(abs, errors.values())) if errors else None,
                      "n_full_predicted": predicted, "n_full_measured": measured,

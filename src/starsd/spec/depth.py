@@ -208,8 +208,8 @@ class DepthPolicy:
         if not best:
             return 0
         cap = min(limit, self.max_depth)
-        late = max(1, math.ceil(behind), math.ceil(server_ms / max(self.verify_ms(1), 1e-6)))
-        if not self.worth(cap - late):
+        behind = max(1, math.ceil(behind))
+        if not self.worth(cap - max(behind, math.ceil(server_ms / max(self.verify_ms(1), 1e-6)))):
             self.late_asks += 1
             if self.late_asks < self.explore << min(self.late_probes, 3):
                 return 0
@@ -217,7 +217,7 @@ class DepthPolicy:
             self.late_probes += 1
             return cap  # a probe: its reply tells how long the server takes now
         self.late_asks = self.late_probes = 0
-        return min(best + max(1, math.ceil(behind)), cap)
+        return min(best + behind, cap)
 
     def choose(self, limit: int) -> int:
         """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""
