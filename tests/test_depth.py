@@ -172,3 +172,17 @@ def test_no_draft_is_asked_ahead_that_would_come_too_late_but_now_and_then_one_i
     assert probes == [15, 47, 111, 239, 367] and {asks[i] for i in probes} == {8}
     assert policy.ahead(8, 1.0, server_ms=150.0) == 4  # 6 levels left after two tokens: 3 of them pay
     assert policy.ahead(8, 1.0, server_ms=2000.0) == 0 and policy.late_probes == 0  # back to 16 steps apart
+
+
+def test_a_prompts_first_draft_is_asked_only_if_it_can_come_in_time_with_the_prefills_head_start():
+    """As above: a server 2 s behind, 100 ms a token alone. A 1.5 s prefill leaves five tokens of
+    wait, so the first draft of a new prompt is asked (a draft 8 deep still pays three levels after
+    them); a 100 ms prefill leaves 19, and none is asked (the server would only ingest the prompt for
+    a draft nobody takes)."""
+    policy = DepthPolicy(8, explore=16)
+    run(policy, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000, right=3)
+    policy.prefill(1500.0)
+    assert policy.first(8, 1.0, server_ms=2000.0) == 4
+    policy.prefill(100.0)
+    assert policy.first(8, 1.0, server_ms=2000.0) == 0
+    assert policy.first(8, 20.0, server_ms=0.0) == 0  # drafts that come 20 tokens late, for another reason

@@ -294,3 +294,28 @@ def test_a_first_draft_not_there_when_the_prefill_ends_is_not_waited_for(dirs):
     assert first.depth == 0 and first.asked > 0 and first_s < 0.45
     assert first.tokens + [t for s in rest for t in s.tokens] == target_only(rig.target, prompt, 16, GREEDY).token_ids
     assert drafter.timing.taken_late >= 1 and any(s.depth > 0 for s in rest)
+
+
+def test_a_server_too_far_behind_is_not_sent_each_new_prompt(dirs):
+    """Drafts come a second after their request, twenty of the target's 50 ms passes, and a draft is
+    4 deep: none can pay, so the target stops asking but for a probe now and then (64 steps apart
+    here). What it learnt of the server carries over to its next prompt, whose first draft is not
+    asked either: a server past saturation would otherwise ingest every new prompt for a draft
+    nobody takes. Output unchanged."""
+    rig = Rig(dirs, delay_ms=500)
+    try:
+        drafter = RemoteDrafter(rig.client)
+        policy = DepthPolicy(4, explore=64)
+        target = Slowed(rig.target, 50)
+        speculative(target, drafter, [5, 17, 33, 2], 36, DraftConfig(depth=4), GREEDY, policy=policy)
+        assert drafter.lateness >= 4 and policy.paused > 20, "the drafts were not seen to come late, or no wait paused the target"
+        time.sleep(1.1)  # a request still in flight reaches the server
+        before = query_stats(rig.stars[0].address)["requests"]
+        prompt = [9, 8, 7]
+        gen = speculative(target, drafter, prompt, 20, DraftConfig(depth=4), GREEDY, policy=policy)
+        time.sleep(1.1)
+        asked = query_stats(rig.stars[0].address)["requests"] - before
+    finally:
+        rig.close()
+    assert gen.token_ids == target_only(rig.target, prompt, 20, GREEDY).token_ids
+    assert asked == 0, f"{asked} requests for 20 tokens no draft could pay for"

@@ -75,13 +75,25 @@ def run_server_mode(runner: harness.Runner, address: str, ns: list[int], mode: s
         before = harness.server_stats(address)
         pt, its[n] = runner.point(address, n, draft=draft)
         pt = {"mode": mode, "draft_depth": draft.depth, "adaptive": draft.adaptive, "predraft": predraft, **pt}
+        after = harness.server_stats(address)
+        pt["server_work"] = work_figures(before, after)
         if predraft:
-            pt["predrafting"] = predraft_figures(before, harness.server_stats(address))
+            pt["predrafting"] = predraft_figures(before, after)
         points.append(pt)
         steps.end(f"{mode} N={n}: {pt['system_tokens_per_s']:.1f} tok/s, utilisation {pt['draft_utilization']:.0%}, "
                   f"batch {pt.get('mean_batch', 0):.1f}, drafted {pt['drafted_share']:.0%} of steps, "
-                  f"latency CV {pt['latency_cv']:.2f}")
+                  f"latency CV {pt['latency_cv']:.2f}, {pt['server_work']['reset_token_share']:.0%} of the "
+                  f"tokens ingested by resets")
     return points, its
+
+
+def work_figures(before: dict, after: dict) -> dict:
+    """The draft server's rows and ingested tokens by kind over one point (warm-up and window):
+    resets (whole sequences) and steps, and the share of the ingested tokens that were resets'."""
+    d = {k: after["work"].get(k, 0) - before["work"].get(k, 0) for k in
+         ("reset_rows", "reset_tokens", "step_rows", "step_tokens")}
+    ingested = d["reset_tokens"] + d["step_tokens"]
+    return d | {"reset_token_share": d["reset_tokens"] / ingested if ingested else 0.0}
 
 
 def predraft_figures(before: dict, after: dict) -> dict:

@@ -7,11 +7,11 @@ target); a drafter has `device`, `taps`, `start` and `propose` (models.drafter.D
 process, star.client.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
 can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
 as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
-it gave is, `lateness` how many tokens such drafts usually come after their ask, and `server_ms`
-the server's own time on one). A drafter
-whose `taps` is not None drafts from the target's features (an EAGLE head): each committed token
+it gave is; the drafter's `lateness` how many tokens such drafts usually come after their ask, and
+its `server_ms` the server's own time on one, over the prompts so far). A drafter whose `taps` is not None drafts from the target's features (an EAGLE head): each committed token
 goes to it with the target's feature of the position before it. `start` is told the first step's
-draft before the target's prefill, so that a remote drafter can draft while the target prefills.
+draft before the target's prefill, so that a remote drafter can draft while the target prefills (a
+remote one is told it as a draft asked ahead: none where the server would answer too late to pay).
 Each random generator lives on the device of the tensors it draws for."""
 
 from __future__ import annotations
@@ -149,7 +149,10 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
     taps = drafter.taps
     ask_ahead = policy is not None and getattr(drafter, "asynchronous", False)
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
-    dseq = drafter.start(prompt_ids, draft_cfg, sampling, depth)  # a remote draft may start before the prefill
+    # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
+    first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)
+             if ask_ahead and max_new_tokens > 0 else depth)
+    dseq = drafter.start(prompt_ids, draft_cfg, sampling, first)
     t_prefill = time.perf_counter()
     seq = target.start(prompt_ids) if taps is None else target.start(prompt_ids, taps)
     if policy:
@@ -165,7 +168,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         elif taps is not None and len(prompt_ids) < 2:
             depth = 0  # one token has no feature before it: nothing for a head to draft from yet
         draft_ms = None
-        ahead = (policy.ahead(budget - 1, dseq.lateness, dseq.server_ms)
+        ahead = (policy.ahead(budget - 1, drafter.lateness, drafter.server_ms)
                  if ask_ahead and depth == 0 and produced else 0)
         if depth > 0 or ahead:
             # a first draft asked before the prefill has had all of it: taken if here, else decoded

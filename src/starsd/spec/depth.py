@@ -170,6 +170,7 @@ class DepthPolicy:
     misses: int = 0  # deadlines missed in a row (each doubles the next pause)
     late_asks: int = 0  # steps since the last draft asked ahead while the server was too slow for one
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
+    prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -219,6 +220,14 @@ class DepthPolicy:
         self.late_asks = self.late_probes = 0
         return min(best + behind, cap)
 
+    def first(self, limit: int, behind: float = 1.0, server_ms: float = 0.0) -> int:
+        """The depth to ask of a remote drafter before a prompt's prefill: a draft asked ahead, with
+        the prefill's time (the last prompt's) to come before the first step. None where the server
+        would answer too late even so (but now and then a probe, as `ahead` sends): a saturated
+        server would otherwise spend its time ingesting every new prompt for drafts nobody takes."""
+        head = self.prefill_ms / max(self.verify_ms(1), 1e-6)  # tokens a step decoding alone commits meanwhile
+        return self.ahead(limit, behind - head, server_ms - self.prefill_ms)
+
     def choose(self, limit: int) -> int:
         """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""
         limit = max(0, min(limit, self.max_depth))
@@ -257,6 +266,7 @@ class DepthPolicy:
         """The target's prefill took `ms`: until a one-token pass is measured, its cost is taken to
         be that, or the prior if more (a first deadline that trusts the draft server at least as
         long as the prefill took)."""
+        self.prefill_ms = ms
         if not self.verify_ms.values:
             self.verify_ms.prior = max(self.verify_ms.prior, ms)
 

@@ -304,10 +304,6 @@ class RemoteSequence:
     # tokens[1:] in order (row j: the target's feature at position j); a reset sends them all again
     feature_count: int = 0  # rows in `features`
     behind: int = 0  # the last draft given was asked this many committed tokens ago (0: for the current prefix)
-    lateness: float = 1.0  # tokens committed between a request and the reading of its reply, when that came
-    # after the target had gone on (a running average; a draft asked ahead needs to be this much deeper)
-    server_ms: float = 0.0  # the draft server's time on a request (queue + draft), as its replies say: a
-    # running average (what a draft asked ahead comes after, at the least)
 
     def add_features(self, chunk: torch.Tensor) -> None:
         self.features.append(chunk)
@@ -402,6 +398,12 @@ class RemoteDrafter:
         self._retry_at = 0.0
         self._hello_at: float | None = None  # when the Hello of a new session went out (None: none in flight)
         self._down_at = time.monotonic()  # when the last session was lost
+        # Running averages over this drafter's streams (a new prompt starts from what the last ones
+        # saw: a saturated server is as slow for a stream's first draft as for its hundredth):
+        self.lateness = 1.0  # tokens committed between a request and the reading of its reply, when that
+        # came after the target had gone on (a draft asked ahead needs to be this much deeper)
+        self.server_ms = 0.0  # the draft server's time on a request (queue + draft), as its replies say
+        # (what a draft asked ahead comes after, at the least)
 
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> RemoteSequence:
@@ -475,7 +477,9 @@ class RemoteDrafter:
             self.timing.taken_late += 1
             wall = (time.monotonic() - seq.pending_since) * 1e3
         self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size)
-        seq.server_ms += 0.25 * (reply.queue_ms + reply.service_ms - seq.server_ms)
+        took = reply.queue_ms + reply.service_ms  # a server found faster is believed at once (it is asked
+        # again only now and then while it seems too slow), a slower one over a few replies
+        self.server_ms = min(took, self.server_ms + 0.25 * (took - self.server_ms))
         return tree
 
     def keep_up(self, seq: RemoteSequence) -> None:
@@ -548,7 +552,7 @@ class RemoteDrafter:
         if seq.pending:  # a request is in flight (start()'s reset, or a draft that came late): its reply first
             reply, tensors = self._settle(seq, until)
             if seq.sent < len(seq.tokens):
-                seq.lateness += 0.25 * (len(seq.tokens) - seq.sent - seq.lateness)
+                self.lateness += 0.25 * (len(seq.tokens) - seq.sent - self.lateness)
             tree = _tree(tensors).follow(seq.tokens[seq.sent:])  # still a draft of what was committed since?
             if seq.sent == len(seq.tokens) or len(tree):
                 seq.behind = len(seq.tokens) - seq.sent

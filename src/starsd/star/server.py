@@ -251,6 +251,7 @@ class DraftServer:
 
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()
+        ingest = [_to_ingest(s, r) for s, r in items]
         jobs = [DraftJob(s.seq, [] if r.msg.reset else s.carry + r.tensors[0].tolist(), s.draft, s.sampling,
                          s.generator, max_depth=r.msg.budget - 1, features=self._features(r)) for s, r in items]
         states = [None if s.generator is None else s.generator.get_state() for s, _ in items]
@@ -260,7 +261,8 @@ class DraftServer:
             return self._isolate(items, states)
         end = time.perf_counter()
         self.stats.batch(start, end, len(items))
-        for (s, r), tree in zip(items, trees):
+        for (s, r), tree, tokens in zip(items, trees, ingest):
+            self.stats.drafted("reset" if r.msg.reset else "step", tokens)
             s.carry = []
             s.last_chain = tree.tokens.tolist() if s.draft.is_chain and tree.q is None else []
             self._reply(s, r, tree, start, end, len(items))

@@ -32,6 +32,10 @@ class ServerStats:
         self.predraft_misses = 0  # requests that came with other tokens than their pre-draft assumed
         self.predraft_yields = 0  # pre-draft batches given up for a request that arrived
         self.predraft_s = 0.0  # compute spent pre-drafting (not in busy_s)
+        # The drafted rows by kind, and the tokens each kind had the draft model ingest: "reset" (a
+        # stream's whole sequence: a new prompt, or a stream back from decoding alone without its
+        # draft state) and "step" (the tokens a stream committed since its last draft)
+        self.work: collections.Counter = collections.Counter()
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
 
     def count(self, name: str, n: int = 1) -> None:
@@ -46,6 +50,12 @@ class ServerStats:
             self.busy_s += end - start
             wall = time.time() - time.perf_counter()  # perf_counter -> wall clock, comparable across processes
             self.timeline.append((round(start + wall, 6), round(end + wall, 6), size))
+
+    def drafted(self, kind: str, tokens: int) -> None:
+        """One row of a draft batch, of `kind` ("reset" or "step"), that ingested `tokens` first."""
+        with self.lock:
+            self.work[f"{kind}_rows"] += 1
+            self.work[f"{kind}_tokens"] += tokens
 
     def recent_busy(self, seconds: float) -> float:
         """Share of the last `seconds` spent drafting."""
@@ -77,7 +87,7 @@ class ServerStats:
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "queue_depth": queue_depth, "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
                 "sessions_freed": self.sessions_freed, "timeline": list(self.timeline),
-                "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0,
+                "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0, "work": dict(self.work),
                 "predraft": {"sessions": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,
                              "yields": self.predraft_yields, "seconds": self.predraft_s},
             }
