@@ -182,7 +182,7 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
             assert p["predraft"] == (p["mode"] in ("predraft", "star"))
             assert ("predrafting" in p) == p["predraft"]
         if p["mode"] == "predraft":  # at N = 3 the server is ~80% busy, where pre-drafting (rightly) stops
-            assert (p["predrafting"]["sessions"] > 0 or p["n"] > 1) and 0 <= p["predrafting"]["hit_rate"] <= 1
+            assert (p["predrafting"]["outcomes"] > 0 or p["n"] > 1) and 0 <= p["predrafting"]["hit_rate"] <= 1
     checks = result["checks"]
     assert [r["n"] for r in checks["adaptive_vs_best_fixed"]] == [1, 3]
     assert {r["best_fixed_depth"] for r in checks["adaptive_vs_best_fixed"]} <= {2, 4}

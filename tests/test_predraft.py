@@ -10,8 +10,10 @@ from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import DraftJob, Interrupted
 from starsd.spec.decode import speculative, target_only
 from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star import ahead
 from starsd.star.launch import free_port
 from starsd.star.server import DraftServer
+from starsd.star.sessions import Session
 
 FP = "f" * 64
 CHAIN = DraftConfig(depth=3, min_path_prob=0.0, adaptive=False)
@@ -42,6 +44,36 @@ def test_a_clone_drafts_apart_and_an_interrupted_draft_changes_nothing(tiny_draf
     assert same(snapshot(seq), before)
     after = drafter.propose(seq, tree.tokens.tolist()[:1] + [6], CHAIN, GREEDY)  # as if nothing had happened
     assert torch.equal(after.tokens, drafter.propose(reference, tree.tokens.tolist()[:1] + [6], CHAIN, GREEDY).tokens)
+
+
+def test_each_predrafted_outcome_is_the_draft_its_request_would_get(tiny_drafters):
+    """A chain 3 deep has four outcomes worth drafting ahead: accepted whole with the draft's own
+    guess of the bonus, or rejected at position j with the draft's runner-up there as the target's
+    token. With no tally yet they come whole chain first; each pre-draft is token for token the
+    draft its request gets from the session's state, and a request that brings its tokens takes it."""
+    drafter = tiny_drafters["good"]
+    s = Session(1, b"peer", "t", seq=drafter.start(PROMPT), draft=CHAIN, sampling=GREEDY)
+    job = DraftJob(s.seq, [], CHAIN, GREEDY, max_depth=3)
+    chain = drafter.propose_batch([job])[0].tokens.tolist()
+    s.last_chain, s.last_second, s.budget = chain, job.second, 4
+    assert len(chain) == len(s.last_second) == 3 and all(a != b for a, b in zip(chain, s.last_second))
+    todo = ahead.plan([s])
+    assert [short for _, short in todo] == [0, 1, 2, 3]
+    state = s.seq.clone()
+    ahead.predraft(drafter, todo)
+    whole = next(k for k in s.ahead if len(k) == 4)
+    assert list(whole[:3]) == chain
+    for tokens in [list(whole)] + [chain[:j] + [s.last_second[j]] for j in range(3)]:
+        real = drafter.propose(state.clone(), tokens, CHAIN, GREEDY)
+        assert s.ahead[tuple(tokens)].chain == real.tokens.tolist()[:3]
+    tokens = chain[:1] + [s.last_second[1]]
+    assert ahead.answer(s, tokens, reset=False).chain and s.carry == [] and s.ahead is None
+    assert ahead.answer(s, tokens, reset=False) is None  # used up
+    ahead.observe(s, tokens)
+    ahead.observe(s, chain + [7])
+    ahead.observe(s, chain[:1] + [9])
+    assert s.shortfall == pytest.approx([ahead.DECAY, 0.0, 1.0 + ahead.DECAY ** 2])  # whole once, 2 short twice
+    assert [short for _, short in ahead.plan([s])][:2] == [2, 0]
 
 
 class SlowTarget:
@@ -83,8 +115,8 @@ def test_predrafting_changes_no_output(tiny_target, tiny_drafters, quality):
     on, stats = generate(tiny_drafters[quality], tiny_target, predraft=True)
     off, off_stats = generate(tiny_drafters[quality], tiny_target, predraft=False)
     assert on.token_ids == off.token_ids == want
-    assert off_stats["sessions"] == off_stats["hits"] == 0
-    assert stats["sessions"] > 0 and stats["hits"] + stats["misses"] <= on.num_steps
+    assert off_stats["outcomes"] == off_stats["hits"] == 0
+    assert stats["outcomes"] > 0 and stats["hits"] + stats["misses"] <= on.num_steps
     if quality == "perfect":  # every draft is accepted whole and the bonus guessed: nearly every request hits
         assert stats["hits"] >= on.num_steps - 3 and on.accepted[1:-1] == [3] * (on.num_steps - 2)
     if quality == "random":

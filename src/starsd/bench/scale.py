@@ -97,7 +97,7 @@ def work_figures(before: dict, after: dict) -> dict:
 
 
 def predraft_figures(before: dict, after: dict) -> dict:
-    """What pre-drafting did over one point (warm-up and window): sessions pre-drafted, requests
+    """What pre-drafting did over one point (warm-up and window): outcomes pre-drafted, requests
     answered from a pre-draft (hits) and not (misses: their tokens differed), batches given up for a
     request, and its compute time; hit_rate = hits / draft requests."""
     d = {k: after["predraft"][k] - before["predraft"][k] for k in after["predraft"]}
@@ -472,6 +472,7 @@ def main(args) -> int:
         alone, alone_its = runner.point(None, 1, no_spec=True)
         steps.end(f"target-only: {alone['per_target_tokens_per_s']:.2f} tok/s per target")
         points = derived(alone, "target-only", ns) if "target-only" in modes else []
+        unshown = []  # points run for the model only
         try:
             for mode, draft, predraft, mode_ns, wanted in plan:
                 key = (mode == "serial", predraft, mode == "eagle")
@@ -480,16 +481,16 @@ def main(args) -> int:
                     servers[key] = start_server(pair if mode == "eagle" else dataclasses.replace(pair, eagle=""),
                                                 harness.server_config(args, *key[:2]))
                 pts, mode_its = run_server_mode(runner, servers[key].address, mode_ns, mode, draft, predraft, steps)
-                points += pts if wanted else []
+                (points if wanted else unshown).extend(pts)  # the model's N = 1 point, shown or not
                 its.update({(mode, n): v for n, v in mode_its.items()})
                 if mode == "batched" and "single-pair" in modes:
                     points += derived(pts[0], "single-pair", ns)
         finally:
             for star in servers.values():
                 star.close()
-    profile = build_profile(points, its[("batched", 1)], alone, args.max_batch)
+    profile = build_profile(points + unshown, its[("batched", 1)], alone, args.max_batch)
     n_full = annotate(points, profile, args.seed)
-    calibrated = calibrated_profile(points, service, profile, tokens)
+    calibrated = calibrated_profile(points + unshown, service, profile, tokens)
     result = {
         "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
                    "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},

@@ -74,6 +74,8 @@ class DraftJob:
     given: int = 0  # leading levels taken as given: min_path_prob counts the path below them only
     features: torch.Tensor | None = None  # EAGLE: [len(new_tokens), F] the target's features, row i the
     # feature of the position before new_tokens[i] (the first request's: the prompt's from its second token)
+    second: list[int] = field(default_factory=list)  # set by the draft, for a deterministic chain: each
+    # level's runner-up token (the likeliest target token where the draft's is rejected; see star/ahead.py)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Expansion:
     qs: list[torch.Tensor] = field(default_factory=list)
     level: int = 0
     root_feature: torch.Tensor | None = None  # EAGLE: the head's output at the last committed token
+    second: list[int] = field(default_factory=list)  # a chain's runner-up token at each level
 
     def feature(self, node: int) -> torch.Tensor:
         """The feature fed with `node`: its parent's output (EAGLE)."""
@@ -130,6 +133,8 @@ class Expansion:
         self.level += 1
         k = self.cfg.top_k
         first = len(self.nodes)
+        if k == 1 and len(parents) == 1 and tokens.shape[1] > 1:
+            self.second.append(int(tokens[0, 1]))
         for p, lps, toks in zip(parents, logp[:, :k].tolist(), tokens[:, :k].tolist()):
             base = 0.0 if p == ROOT else self.nodes[p].score
             self.nodes += [_Node(t, p, base + lp, self.level) for lp, t in zip(lps, toks)]
@@ -238,6 +243,8 @@ class Drafter:
             parents = [expansions[i].frontier for i in active]
             _grow(expansions, active, parents, _logits(self.model, batch.feed(active, expansions)))
         batch.retire_all_but([], expansions)
+        for job, e in zip(jobs, expansions):
+            job.second = e.second
         return [e.tree() for e in expansions]
 
     def _absorb(self, job: DraftJob) -> None:
@@ -286,7 +293,7 @@ def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
 def _grow(expansions: list[Expansion], jobs: list[int], parents: list[list[int]], logits: torch.Tensor) -> None:
     """Grow each job's tree below its parents from their logits [sum of len(parents), V], with one
     log-softmax and top-k over all rows of deterministic drafts."""
-    k = max(expansions[i].cfg.top_k for i in jobs)
+    k = max(2, max(expansions[i].cfg.top_k for i in jobs))  # a chain's runner-up too
     logp = logits.float().log_softmax(-1)
     top = logp.topk(k, dim=-1)
     row = 0

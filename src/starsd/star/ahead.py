@@ -1,21 +1,33 @@
 """Pre-drafting: the draft server's idle time put to work.
 
-Below N_full the draft server waits while its targets verify. While no request is queued, each
-waiting session's most likely next request is drafted ahead: its last draft accepted whole, and
-the target's next token (the bonus) equal to the draft model's own best guess after it. One batched
-draft one level deeper than the session's does both: its first level is the bonus guess, the
-levels below it the next draft. The result waits on the session with the outcome it assumed. A
-request carrying exactly those tokens is answered at once from it; any other is drafted as usual
-and the pre-draft is dropped. Real requests come first: a pre-draft yields at the next level
-boundary when a request arrives, and runs on a few sessions at a time (ROWS), so that a level, and
-the delay it can add to a request, stays short. It does not start while the server has been busy
-more than MAX_BUSY of the last LOOKBACK_S seconds: past N_full the gaps between batches are too
-short to use, and a pre-draft would only delay the next batch.
+Below N_full the draft server waits while its targets verify. While no request is queued, the
+likeliest outcomes of each waiting session's last chain are drafted ahead, each as the next
+request it would bring:
+- the chain accepted whole, and the target's next token (the bonus) equal to the draft model's
+  own best guess after it: one draft a level deeper than the session's, whose first level is the
+  bonus guess and the levels below it the next draft;
+- the chain accepted up to position j and rejected there, the target's token being the draft's
+  runner-up at j (the likeliest token where the draft's own is wrong, Drafter: DraftJob.second):
+  that token ingested after the first j, and a draft below it.
+Which outcomes, and how many (ROWS rows in all, over every idle session), follows how many
+tokens short of the whole chain each session's requests have come (`observe`). A request that
+brings exactly the tokens of an outcome is answered at once from it; any other is drafted as
+usual and the pre-drafts are dropped. Each pre-draft is as deep as the session's last request
+asked, and one level more (the target's depth policy looks deeper now and then): a pre-draft the
+full configured depth took longer than the target's verify pass, and the request it was for
+found it unfinished.
 
-The pre-draft runs on a copy of the session's draft state, so a miss costs nothing but the idle
-time it used. After a hit the bonus guess is a drafted node, not yet committed: it is carried
-(`Session.carry`) in front of the tokens of the next request. Chains only (top_k 1, not sampled):
-their likeliest outcome is one path. Losslessness is untouched: the target verifies every token.
+Real requests come first: a pre-draft yields at the next level boundary when a request arrives,
+and a batch of pre-drafts is a few rows, so that a level, and the delay it can add to a request,
+stays short. It does not start while the server has been busy more than MAX_BUSY of the last
+LOOKBACK_S seconds: past N_full the gaps between batches are too short to use, and a pre-draft
+would only delay the next batch.
+
+Each pre-draft runs on a copy of the session's draft state, so a miss costs nothing but the idle
+time it used. After a hit on a whole chain the bonus guess is a drafted node, not yet committed:
+it is carried (`Session.carry`) in front of the tokens of the next request. Chains only (top_k 1,
+not sampled): their likeliest outcomes are single paths. Losslessness is untouched: the target
+verifies every token.
 """
 
 from __future__ import annotations
@@ -26,19 +38,32 @@ from dataclasses import dataclass
 from starsd.config import MAX_DRAFT_DEPTH
 from starsd.models.drafter import DraftJob, Drafter, DraftSequence
 
-ROWS = 2  # sessions pre-drafted together
+ROWS = 4  # pre-drafts batched together, over all sessions
 LOOKBACK_S = 2.0
 MAX_BUSY = 0.8  # of the last LOOKBACK_S seconds spent drafting: beyond it, no pre-drafting
+DECAY = 0.95  # of a session's tally of outcomes, per request
 
 
 @dataclass
-class Ahead:
-    """A session's pre-draft: the request tokens it assumed, the draft state as if they had come
-    (all but the bonus guess committed), and the chain drafted below the bonus guess."""
+class Outcome:
+    """A pre-drafted next request: the draft state as if its tokens had come (all but `carry`
+    committed), and the chain drafted below them with each level's runner-up."""
 
-    expect: list[int]
     seq: DraftSequence
+    carry: list[int]
     chain: list[int]
+    second: list[int]
+
+
+def observe(s, tokens: list[int]) -> None:
+    """Tally how many tokens short of the session's last chain a request's accepted ones came (the
+    request: the accepted tokens, then the target's own)."""
+    accepted = len(tokens) - 1
+    if not s.last_chain or accepted > len(s.last_chain) or tokens[:-1] != s.last_chain[:accepted]:
+        return
+    short = len(s.last_chain) - accepted
+    s.shortfall = [w * DECAY for w in s.shortfall] + [0.0] * (short + 1 - len(s.shortfall))
+    s.shortfall[short] += 1.0
 
 
 def eligible(s) -> bool:
@@ -48,24 +73,55 @@ def eligible(s) -> bool:
             and not s.draft.sample and bool(s.carry or s.last_chain))
 
 
-def predraft(drafter: Drafter, sessions: list, stop=None) -> None:
-    """Pre-draft these sessions in one batch (Interrupted propagates from `stop`, leaving them as
-    they were). A pre-draft too short to answer with is kept too, so that it is not redone."""
-    copies = [s.seq.clone() for s in sessions]
-    jobs = [DraftJob(c, s.carry + s.last_chain, dataclasses.replace(s.draft, depth=min(s.draft.depth + 1, MAX_DRAFT_DEPTH)),
-                     s.sampling, given=1) for s, c in zip(sessions, copies)]  # the bonus guess: as if committed
+def plan(sessions: list, rows: int = ROWS) -> list[tuple]:
+    """The outcomes to pre-draft now, (session, tokens short of its whole chain), likeliest first
+    by each session's tally (with none, the whole chain first and then ever shorter), `rows` at
+    most."""
+    options = []
+    for s in sessions:
+        total = sum(s.shortfall)
+        for short in range(len(s.last_chain) + 1):
+            if short and len(s.last_second) < len(s.last_chain) - short + 1:
+                continue  # no runner-up known where the chain would break
+            seen = s.shortfall[short] / total if short < len(s.shortfall) and total else 0.0
+            options.append((-seen, short, id(s), s))
+    return [(s, short) for _, short, _, s in sorted(options, key=lambda o: o[:3])[:rows]]
+
+
+def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> None:
+    """Pre-draft these (session, short) outcomes in one batch (Interrupted propagates from `stop`,
+    leaving the sessions as they were). A session's pre-drafts wait on it, keyed by the tokens
+    their request would bring; one too short to answer with is kept too, so it is not redone."""
+    jobs, keys = [], []
+    for s, short in todo:
+        keep = len(s.last_chain) - short
+        copy = s.seq.clone()
+        if short == 0:  # the bonus guess, as if committed, is the first level
+            jobs.append(DraftJob(copy, s.carry + s.last_chain,
+                                 dataclasses.replace(s.draft, depth=min(s.draft.depth + 1, MAX_DRAFT_DEPTH)),
+                                 s.sampling, max_depth=s.budget + 1, given=1))
+        else:  # the runner-up where the chain breaks, ingested
+            guess = s.last_chain[:keep] + [s.last_second[keep]]
+            jobs.append(DraftJob(copy, s.carry + guess, s.draft, s.sampling, max_depth=s.budget))
+        keys.append((s, short, keep))
     trees = drafter.propose_batch(jobs, stop)
-    for s, c, tree in zip(sessions, copies, trees):
+    for s, _, _ in keys:
+        s.ahead = {}
+    for (s, short, keep), job, tree in zip(keys, jobs, trees):
         tokens = tree.tokens.tolist()
-        s.ahead = Ahead(s.last_chain + tokens[:1], c, tokens[1:])
+        if short == 0:
+            s.ahead[tuple(s.last_chain + tokens[:1])] = Outcome(job.seq, tokens[:1], tokens[1:], job.second[1:])
+        else:
+            s.ahead[tuple(s.last_chain[:keep] + [s.last_second[keep]])] = Outcome(job.seq, [], tokens, job.second)
 
 
-def answer(s, tokens: list[int], reset: bool) -> list[int] | None:
-    """The pre-drafted chain if this request brings the tokens the session's pre-draft assumed (the
-    session then takes that draft state); None otherwise. Either way the pre-draft is used up."""
-    a, s.ahead = s.ahead, None
-    if a is None or reset or not a.chain or tokens != a.expect:
+def answer(s, tokens: list[int], reset: bool) -> Outcome | None:
+    """The pre-draft of this request's outcome if there is one with a chain (the session then takes
+    its draft state); None otherwise. Either way the session's pre-drafts are used up."""
+    outcomes, s.ahead = s.ahead, None
+    o = None if reset or not outcomes else outcomes.get(tuple(tokens))
+    if o is None or not o.chain:
         return None
-    s.seq = a.seq
-    s.carry = a.expect[-1:]
-    return a.chain
+    s.seq = o.seq
+    s.carry = o.carry
+    return o

@@ -141,6 +141,8 @@ class DraftServer:
             s = self._take(req)
             if s is None:
                 continue
+            if not req.msg.reset:
+                ahead.observe(s, req.tensors[0].tolist())
             if s.ahead is not None and self._answer_ahead(s, req):
                 continue
             waiting.add(s.tag)
@@ -205,26 +207,30 @@ class DraftServer:
 
     def _answer_ahead(self, s: Session, req: Request) -> bool:
         """Answer a request from its session's pre-draft if it brings what the pre-draft assumed."""
-        chain = ahead.answer(s, req.tensors[0].tolist(), req.msg.reset)
-        if chain is None:
+        o = ahead.answer(s, req.tensors[0].tolist(), req.msg.reset)
+        if o is None:
             self.stats.count("predraft_misses")
             return False
         self.stats.count("predraft_hits")
-        s.last_chain = chain[:max(1, req.msg.budget - 1)]
+        s.last_chain = o.chain[:max(1, req.msg.budget - 1)]
+        s.last_second = o.second[:len(s.last_chain)]
+        s.budget = req.msg.budget
         now = time.perf_counter()
         self._reply(s, req, DraftTree.chain(s.last_chain), now, now, 1)
         return True
 
     def _predraft_todo(self) -> list[Session]:
-        """The sessions to pre-draft now: none while the server has been nearly saturated (past N_full
-        the gaps between batches are too short to use), else up to ahead.ROWS idle chain sessions."""
+        """The outcomes to pre-draft now, (session, tokens short of its last chain): none while the
+        server has been nearly saturated (past N_full the gaps between batches are too short to
+        use), else the likeliest ahead.ROWS of the idle chain sessions'."""
         if (not self.cfg.predraft or self.drafter.taps is not None  # a head cannot guess the target's features
                 or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY):
             return []
-        return [s for s in self.sessions if ahead.eligible(s)][:ahead.ROWS]
+        return ahead.plan([s for s in self.sessions if ahead.eligible(s)])
 
     def _predraft(self) -> None:
-        """Pre-draft some idle chain sessions (ahead.py), yielding to the first request that arrives."""
+        """Pre-draft the likeliest next requests of idle chain sessions (ahead.py), yielding to the
+        first request that arrives."""
         todo = self._predraft_todo()
         if not todo:
             return
@@ -235,8 +241,8 @@ class DraftServer:
         except Interrupted:
             self.stats.count("predraft_yields")
         except Exception:  # a pre-draft is optional work: its failure costs nothing but the attempt
-            log.exception("pre-draft of %d sessions failed", len(todo))
-            for s in todo:
+            log.exception("pre-draft of %d outcomes failed", len(todo))
+            for s, _ in todo:
                 s.last_chain = []  # not eligible again until its next real draft
         self.stats.count("predraft_s", time.perf_counter() - start)
 
@@ -261,10 +267,12 @@ class DraftServer:
             return self._isolate(items, states)
         end = time.perf_counter()
         self.stats.batch(start, end, len(items))
-        for (s, r), tree, tokens in zip(items, trees, ingest):
+        for (s, r), job, tree, tokens in zip(items, jobs, trees, ingest):
             self.stats.drafted("reset" if r.msg.reset else "step", tokens)
             s.carry = []
             s.last_chain = tree.tokens.tolist() if s.draft.is_chain and tree.q is None else []
+            s.last_second = job.second[:len(s.last_chain)]
+            s.budget = r.msg.budget
             self._reply(s, r, tree, start, end, len(items))
 
     def _features(self, req: Request) -> torch.Tensor | None:

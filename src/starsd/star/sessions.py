@@ -24,7 +24,7 @@ from starsd.models.drafter import Drafter, DraftSequence
 from starsd.models.kv import KV
 from starsd.spec.verify import make_generator
 from starsd.star import protocol as P
-from starsd.star.ahead import Ahead
+from starsd.star.ahead import Outcome
 from starsd.star.stats import ServerStats
 
 log = logging.getLogger("starsd.sessions")
@@ -52,7 +52,11 @@ class Session:
     carry: list[int] = field(default_factory=list)  # committed by the target, not yet by seq: they go in
     # front of the next request's tokens (after a pre-drafted answer, its bonus guess; see ahead.py)
     last_chain: list[int] = field(default_factory=list)  # the last chain sent (empty after a tree)
-    ahead: Ahead | None = None  # the pre-draft of its next request
+    last_second: list[int] = field(default_factory=list)  # each level's runner-up token in that chain
+    budget: int = 0  # the last request's budget (tokens the target may emit: the depth asked, plus one)
+    shortfall: list[float] = field(default_factory=list)  # requests by how many tokens short of the whole
+    # chain they came, recent ones weighing more (ahead.observe)
+    ahead: dict[tuple[int, ...], Outcome] | None = None  # pre-drafts of its next request, by the tokens it brings
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -133,7 +137,7 @@ class Sessions:
             s.sampling = msg.sampling
             s.generator = make_generator(msg.sampling.seed + 1, self.drafter.device)
             s.seq = self.drafter.start(tokens.tolist())
-            s.carry, s.last_chain, s.ahead = [], [], None
+            s.carry, s.last_chain, s.last_second, s.ahead = [], [], [], None
         s.next_step = msg.step + 1
         return s
 

@@ -27,7 +27,7 @@ class ServerStats:
         self.busy_s = 0.0
         self.hops = 0
         self.hop_s = 0.0
-        self.predrafts = 0  # sessions pre-drafted (ahead.py)
+        self.predrafts = 0  # outcomes pre-drafted (ahead.py)
         self.predraft_hits = 0  # requests answered from a pre-draft
         self.predraft_misses = 0  # requests that came with other tokens than their pre-draft assumed
         self.predraft_yields = 0  # pre-draft batches given up for a request that arrived
@@ -88,7 +88,7 @@ class ServerStats:
                 "queue_depth": queue_depth, "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
                 "sessions_freed": self.sessions_freed, "timeline": list(self.timeline),
                 "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0, "work": dict(self.work),
-                "predraft": {"sessions": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,
+                "predraft": {"outcomes": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,
                              "yields": self.predraft_yields, "seconds": self.predraft_s},
             }
 
