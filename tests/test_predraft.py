@@ -49,7 +49,7 @@ def test_a_clone_drafts_apart_and_an_interrupted_draft_changes_nothing(tiny_draf
 def test_each_predrafted_outcome_is_the_draft_its_request_would_get(tiny_drafters):
     """A chain 3 deep has four outcomes worth drafting ahead: accepted whole with the draft's own
     guess of the bonus, or rejected at position j with the draft's runner-up there as the target's
-    token. With no tally yet they come whole chain first; each pre-draft is token for token the
+    token. With no tally yet they come whole chain first, then ever shorter; each pre-draft is token for token the
     draft its request gets from the session's state, and a request that brings its tokens takes it."""
     drafter = tiny_drafters["good"]
     s = Session(1, b"peer", "t", seq=drafter.start(PROMPT), draft=CHAIN, sampling=GREEDY)
@@ -57,10 +57,11 @@ def test_each_predrafted_outcome_is_the_draft_its_request_would_get(tiny_drafter
     chain = drafter.propose_batch([job])[0].tokens.tolist()
     s.last_chain, s.last_second, s.budget = chain, job.second, 4
     assert len(chain) == len(s.last_second) == 3 and all(a != b for a, b in zip(chain, s.last_second))
-    todo = ahead.plan([s])
-    assert [short for _, short in todo] == [0, 1, 2, 3]
+    assert [short for _, short in ahead.plan([s], rows=4)] == [0, 1, 2, 3]
     state = s.seq.clone()
-    ahead.predraft(drafter, todo)
+    for _ in range(4):  # one at a time, the likeliest first
+        ahead.predraft(drafter, ahead.plan([s]))
+    assert len(s.ahead) == 4 and not ahead.eligible(s)
     whole = next(k for k in s.ahead if len(k) == 4)
     assert list(whole[:3]) == chain
     for tokens in [list(whole)] + [chain[:j] + [s.last_second[j]] for j in range(3)]:
@@ -73,7 +74,7 @@ def test_each_predrafted_outcome_is_the_draft_its_request_would_get(tiny_drafter
     ahead.observe(s, chain + [7])
     ahead.observe(s, chain[:1] + [9])
     assert s.shortfall == pytest.approx([ahead.DECAY, 0.0, 1.0 + ahead.DECAY ** 2])  # whole once, 2 short twice
-    assert [short for _, short in ahead.plan([s])][:2] == [2, 0]
+    assert [short for _, short in ahead.plan([s], rows=4)][:2] == [2, 0]
 
 
 class SlowTarget:

@@ -9,8 +9,11 @@ request it would bring:
 - the chain accepted up to position j and rejected there, the target's token being the draft's
   runner-up at j (the likeliest token where the draft's own is wrong, Drafter: DraftJob.second):
   that token ingested after the first j, and a draft below it.
-Which outcomes, and how many (ROWS rows in all, over every idle session), follows how many
-tokens short of the whole chain each session's requests have come (`observe`). A request that
+They are drafted one batch of ROWS at a time, the likeliest first over every idle session (by how
+many tokens short of the whole chain each session's requests have come, `observe`), up to OUTCOMES
+per session: the first is ready soonest, and a request that comes meanwhile loses only the batch in
+progress (a batch of four drafted to full depth took longer than the target's verify pass, and
+most requests found it unfinished). A request that
 brings exactly the tokens of an outcome is answered at once from it; any other is drafted as
 usual and the pre-drafts are dropped. Each pre-draft is as deep as the session's last request
 asked, and one level more (the target's depth policy looks deeper now and then): a pre-draft the
@@ -18,8 +21,8 @@ full configured depth took longer than the target's verify pass, and the request
 found it unfinished.
 
 Real requests come first: a pre-draft yields at the next level boundary when a request arrives,
-and a batch of pre-drafts is a few rows, so that a level, and the delay it can add to a request,
-stays short. It does not start while the server has been busy more than MAX_BUSY of the last
+and a batch of pre-drafts is small, so that a level, and the delay it can add to a request, stays
+short. It does not start while the server has been busy more than MAX_BUSY of the last
 LOOKBACK_S seconds: past N_full the gaps between batches are too short to use, and a pre-draft
 would only delay the next batch.
 
@@ -38,7 +41,8 @@ from dataclasses import dataclass
 from starsd.config import MAX_DRAFT_DEPTH
 from starsd.models.drafter import DraftJob, Drafter, DraftSequence
 
-ROWS = 4  # pre-drafts batched together, over all sessions
+ROWS = 1  # pre-drafts batched together, over all sessions
+OUTCOMES = 4  # pre-drafts per session at most
 LOOKBACK_S = 2.0
 MAX_BUSY = 0.8  # of the last LOOKBACK_S seconds spent drafting: beyond it, no pre-drafting
 DECAY = 0.95  # of a session's tally of outcomes, per request
@@ -49,6 +53,7 @@ class Outcome:
     """A pre-drafted next request: the draft state as if its tokens had come (all but `carry`
     committed), and the chain drafted below them with each level's runner-up."""
 
+    short: int  # tokens short of the whole chain it assumed
     seq: DraftSequence
     carry: list[int]
     chain: list[int]
@@ -67,22 +72,23 @@ def observe(s, tokens: list[int]) -> None:
 
 
 def eligible(s) -> bool:
-    """A session whose next request can be pre-drafted: a chain session with draft state, no
-    pre-draft yet, and tokens to start from."""
-    return (s.seq is not None and s.ahead is None and s.draft is not None and s.draft.top_k == 1
+    """A session whose next request can be pre-drafted: a chain session with draft state, tokens to
+    start from, and fewer than OUTCOMES pre-drafts."""
+    return (s.seq is not None and len(s.ahead or ()) < OUTCOMES and s.draft is not None and s.draft.top_k == 1
             and not s.draft.sample and bool(s.carry or s.last_chain))
 
 
 def plan(sessions: list, rows: int = ROWS) -> list[tuple]:
-    """The outcomes to pre-draft now, (session, tokens short of its whole chain), likeliest first
+    """The outcomes to pre-draft next, (session, tokens short of its whole chain), likeliest first
     by each session's tally (with none, the whole chain first and then ever shorter), `rows` at
-    most."""
+    most, none drafted already."""
     options = []
     for s in sessions:
         total = sum(s.shortfall)
+        done = {o.short for o in (s.ahead or {}).values()}
         for short in range(len(s.last_chain) + 1):
-            if short and len(s.last_second) < len(s.last_chain) - short + 1:
-                continue  # no runner-up known where the chain would break
+            if short in done or short and len(s.last_second) < len(s.last_chain) - short + 1:
+                continue  # drafted, or no runner-up known where the chain would break
             seen = s.shortfall[short] / total if short < len(s.shortfall) and total else 0.0
             options.append((-seen, short, id(s), s))
     return [(s, short) for _, short, _, s in sorted(options, key=lambda o: o[:3])[:rows]]
@@ -101,18 +107,22 @@ def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> None:
                                  dataclasses.replace(s.draft, depth=min(s.draft.depth + 1, MAX_DRAFT_DEPTH)),
                                  s.sampling, max_depth=s.budget + 1, given=1))
         else:  # the runner-up where the chain breaks, ingested
-            guess = s.last_chain[:keep] + [s.last_second[keep]]
-            jobs.append(DraftJob(copy, s.carry + guess, s.draft, s.sampling, max_depth=s.budget))
+            jobs.append(DraftJob(copy, s.carry + guess(s, keep), s.draft, s.sampling, max_depth=s.budget))
         keys.append((s, short, keep))
     trees = drafter.propose_batch(jobs, stop)
-    for s, _, _ in keys:
-        s.ahead = {}
     for (s, short, keep), job, tree in zip(keys, jobs, trees):
         tokens = tree.tokens.tolist()
+        s.ahead = s.ahead or {}
         if short == 0:
-            s.ahead[tuple(s.last_chain + tokens[:1])] = Outcome(job.seq, tokens[:1], tokens[1:], job.second[1:])
+            s.ahead[tuple(s.last_chain + tokens[:1])] = Outcome(0, job.seq, tokens[:1], tokens[1:], job.second[1:])
         else:
-            s.ahead[tuple(s.last_chain[:keep] + [s.last_second[keep]])] = Outcome(job.seq, [], tokens, job.second)
+            s.ahead[tuple(guess(s, keep))] = Outcome(short, job.seq, [], tokens, job.second)
+
+
+def guess(s, keep: int) -> list[int]:
+    """The tokens a request brings if the target accepts the first `keep` of the session's last chain
+    and its own token there is the draft's runner-up."""
+    return s.last_chain[:keep] + [s.last_second[keep]]
 
 
 def answer(s, tokens: list[int], reset: bool) -> Outcome | None:

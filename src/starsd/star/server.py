@@ -219,10 +219,10 @@ class DraftServer:
         self._reply(s, req, DraftTree.chain(s.last_chain), now, now, 1)
         return True
 
-    def _predraft_todo(self) -> list[Session]:
+    def _predraft_todo(self) -> list[tuple[Session, int]]:
         """The outcomes to pre-draft now, (session, tokens short of its last chain): none while the
         server has been nearly saturated (past N_full the gaps between batches are too short to
-        use), else the likeliest ahead.ROWS of the idle chain sessions'."""
+        use), else the likeliest of the idle chain sessions' not drafted yet (ahead.plan)."""
         if (not self.cfg.predraft or self.drafter.taps is not None  # a head cannot guess the target's features
                 or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY):
             return []
