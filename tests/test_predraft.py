@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
-from starsd.models.drafter import DraftJob, Interrupted
+from starsd.models.drafter import DraftJob
 from starsd.spec.decode import speculative, target_only
 from starsd.star.client import DraftClient, RemoteDrafter
 from starsd.star import ahead
@@ -30,7 +30,10 @@ def same(a, b):
     return a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
 
 
-def test_a_clone_drafts_apart_and_an_interrupted_draft_changes_nothing(tiny_drafters):
+def test_a_clone_drafts_apart_and_a_stopped_draft_is_the_start_of_the_whole_one(tiny_drafters):
+    """A pre-draft runs on a copy of a session's state and leaves the original as it was. Stopped at
+    a level boundary (a request came), it holds the levels drafted so far, the same as the start of
+    the whole draft, and its state drafts on as if it had run to the end."""
     drafter = tiny_drafters["good"]
     seq = drafter.start(PROMPT)
     tree = drafter.propose(seq, [], CHAIN, GREEDY)
@@ -38,12 +41,16 @@ def test_a_clone_drafts_apart_and_an_interrupted_draft_changes_nothing(tiny_draf
     copy = seq.clone()
     drafter.propose(copy, tree.tokens.tolist()[:2] + [3], CHAIN, GREEDY)
     assert same(snapshot(seq), before) and seq.kept and len(copy.tokens) == len(seq.tokens) + 3
-    reference = seq.clone()
-    with pytest.raises(Interrupted):
-        drafter.propose_batch([DraftJob(seq, [4, 4], CHAIN, GREEDY)], stop=lambda: True)
+    full = seq.clone()
+    whole = drafter.propose(full, [4, 4], CHAIN, GREEDY).tokens.tolist()
+    asked = []
+    stopped = seq.clone()
+    cut = drafter.propose_batch([DraftJob(stopped, [4, 4], CHAIN, GREEDY)],
+                                stop=lambda: asked.append(1) or len(asked) == 2)[0]  # before the third level
+    assert len(whole) == 3 and cut.tokens.tolist() == whole[:2]
     assert same(snapshot(seq), before)
-    after = drafter.propose(seq, tree.tokens.tolist()[:1] + [6], CHAIN, GREEDY)  # as if nothing had happened
-    assert torch.equal(after.tokens, drafter.propose(reference, tree.tokens.tolist()[:1] + [6], CHAIN, GREEDY).tokens)
+    after = drafter.propose(stopped, whole[:1] + [6], CHAIN, GREEDY)
+    assert torch.equal(after.tokens, drafter.propose(full, whole[:1] + [6], CHAIN, GREEDY).tokens)
 
 
 def test_each_predrafted_outcome_is_the_draft_its_request_would_get(tiny_drafters):
@@ -68,13 +75,25 @@ def test_each_predrafted_outcome_is_the_draft_its_request_would_get(tiny_drafter
         real = drafter.propose(state.clone(), tokens, CHAIN, GREEDY)
         assert s.ahead[tuple(tokens)].chain == real.tokens.tolist()[:3]
     tokens = chain[:1] + [s.last_second[1]]
-    assert ahead.answer(s, tokens, reset=False).chain and s.carry == [] and s.ahead is None
-    assert ahead.answer(s, tokens, reset=False) is None  # used up
+    assert ahead.answer(s, tokens, 4, reset=False).chain and s.carry == [] and s.ahead is None
+    assert ahead.answer(s, tokens, 4, reset=False) is None  # used up
     ahead.observe(s, tokens)
     ahead.observe(s, chain + [7])
     ahead.observe(s, chain[:1] + [9])
     assert s.shortfall == pytest.approx([ahead.DECAY, 0.0, 1.0 + ahead.DECAY ** 2])  # whole once, 2 short twice
     assert [short for _, short in ahead.plan([s], rows=4)][:2] == [2, 0]
+
+
+def test_a_predraft_cut_short_answers_only_a_request_asking_at_most_twice_as_deep():
+    def session(cut: bool) -> Session:
+        s = Session(1, b"peer", "t")
+        s.ahead = {(1, 2): ahead.Outcome(1, cut, None, [], [5, 6], [7, 8])}
+        return s
+
+    assert ahead.answer(session(True), [1, 2], 6, reset=False) is None  # 5 deep asked: 2 levels are too few
+    assert ahead.answer(session(True), [1, 2], 5, reset=False).chain == [5, 6]
+    assert ahead.answer(session(False), [1, 2], 11, reset=False).chain == [5, 6]  # it went as deep as it paid
+    assert ahead.answer(session(False), [1, 3], 3, reset=False) is None
 
 
 class SlowTarget:

@@ -98,8 +98,8 @@ def work_figures(before: dict, after: dict) -> dict:
 
 def predraft_figures(before: dict, after: dict) -> dict:
     """What pre-drafting did over one point (warm-up and window): outcomes pre-drafted, requests
-    answered from a pre-draft (hits) and not (misses: their tokens differed), batches given up for a
-    request, and its compute time; hit_rate = hits / draft requests."""
+    answered from a pre-draft (hits) and not (misses: other tokens than it assumed, or cut too
+    short), batches cut short for a request, and its compute time; hit_rate = hits / draft requests."""
     d = {k: after["predraft"][k] - before["predraft"][k] for k in after["predraft"]}
     requests = after["requests"] - before["requests"]
     return d | {"requests": requests, "hit_rate": d["hits"] / requests if requests else 0.0}

@@ -56,11 +56,6 @@ class DraftSequence:
         return DraftSequence(list(self.tokens), self.kv.clone(), self.cached, dict(self.kept), self.features)
 
 
-class Interrupted(Exception):
-    """A draft stopped at a level boundary because its caller asked (`stop`); its sequences are as
-    they were before it."""
-
-
 @dataclass
 class DraftJob:
     """One sequence's share of a batched draft."""
@@ -201,7 +196,8 @@ class Drafter:
     @torch.inference_mode()
     def propose_batch(self, jobs: list[DraftJob], stop=None) -> list[DraftTree]:
         """Draft for several sequences at once: one forward pass per tree level for all of them.
-        `stop()`, if given, is asked before every level after the first; True raises Interrupted."""
+        `stop()`, if given, is asked before every level after the first; True ends every draft there
+        (each tree holds the levels drafted so far, and each sequence the state that goes with them)."""
         before = [(len(j.seq.tokens), j.seq.cached, j.seq.features) for j in jobs]
         try:
             return self._propose_batch(jobs, stop)
@@ -238,7 +234,7 @@ class Drafter:
         _grow(expansions, list(range(len(jobs))), [[ROOT]] * len(jobs), _logits(self.model, hidden))
         while active := [i for i, e in enumerate(expansions) if e.wants_more()]:
             if stop is not None and stop():
-                raise Interrupted()
+                break
             batch.retire_all_but(active, expansions)
             parents = [expansions[i].frontier for i in active]
             _grow(expansions, active, parents, _logits(self.model, batch.feed(active, expansions)))

@@ -20,8 +20,9 @@ asked, and one level more (the target's depth policy looks deeper now and then):
 full configured depth took longer than the target's verify pass, and the request it was for
 found it unfinished.
 
-Real requests come first: a pre-draft yields at the next level boundary when a request arrives,
-and a batch of pre-drafts is small, so that a level, and the delay it can add to a request, stays
+Real requests come first: a pre-draft ends at the next level boundary when a request arrives
+(what it drafted so far is kept, and answers a request that asks no more than twice as deep), and
+a batch of pre-drafts is small, so that a level, and the delay it can add to a request, stays
 short. It does not start while the server has been busy more than MAX_BUSY of the last
 LOOKBACK_S seconds: past N_full the gaps between batches are too short to use, and a pre-draft
 would only delay the next batch.
@@ -54,6 +55,7 @@ class Outcome:
     committed), and the chain drafted below them with each level's runner-up."""
 
     short: int  # tokens short of the whole chain it assumed
+    cut: bool  # ended early for a request that came: its chain may be shallower than the session asks
     seq: DraftSequence
     carry: list[int]
     chain: list[int]
@@ -94,10 +96,19 @@ def plan(sessions: list, rows: int = ROWS) -> list[tuple]:
     return [(s, short) for _, short, _, s in sorted(options, key=lambda o: o[:3])[:rows]]
 
 
-def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> None:
-    """Pre-draft these (session, short) outcomes in one batch (Interrupted propagates from `stop`,
-    leaving the sessions as they were). A session's pre-drafts wait on it, keyed by the tokens
-    their request would bring; one too short to answer with is kept too, so it is not redone."""
+def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> bool:
+    """Pre-draft these (session, short) outcomes in one batch, ending it at the level boundary where
+    `stop()` says a request came; say whether it did. A session's pre-drafts wait on it, keyed by
+    the tokens their request would bring, each as far as it got; one too short to answer with is
+    kept too, so that it is not redone."""
+    cut = []
+
+    def halt() -> bool:
+        if stop is not None and stop():
+            cut.append(True)
+            return True
+        return False
+
     jobs, keys = [], []
     for s, short in todo:
         keep = len(s.last_chain) - short
@@ -109,14 +120,16 @@ def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> None:
         else:  # the runner-up where the chain breaks, ingested
             jobs.append(DraftJob(copy, s.carry + guess(s, keep), s.draft, s.sampling, max_depth=s.budget))
         keys.append((s, short, keep))
-    trees = drafter.propose_batch(jobs, stop)
+    trees = drafter.propose_batch(jobs, halt)
     for (s, short, keep), job, tree in zip(keys, jobs, trees):
         tokens = tree.tokens.tolist()
         s.ahead = s.ahead or {}
         if short == 0:
-            s.ahead[tuple(s.last_chain + tokens[:1])] = Outcome(0, job.seq, tokens[:1], tokens[1:], job.second[1:])
+            s.ahead[tuple(s.last_chain + tokens[:1])] = Outcome(0, bool(cut), job.seq, tokens[:1], tokens[1:],
+                                                                 job.second[1:])
         else:
-            s.ahead[tuple(guess(s, keep))] = Outcome(short, job.seq, [], tokens, job.second)
+            s.ahead[tuple(guess(s, keep))] = Outcome(short, bool(cut), job.seq, [], tokens, job.second)
+    return bool(cut)
 
 
 def guess(s, keep: int) -> list[int]:
@@ -125,12 +138,14 @@ def guess(s, keep: int) -> list[int]:
     return s.last_chain[:keep] + [s.last_second[keep]]
 
 
-def answer(s, tokens: list[int], reset: bool) -> Outcome | None:
+def answer(s, tokens: list[int], budget: int, reset: bool) -> Outcome | None:
     """The pre-draft of this request's outcome if there is one with a chain (the session then takes
-    its draft state); None otherwise. Either way the session's pre-drafts are used up."""
+    its draft state), and, if it was cut short, at least half as deep as the request asks (`budget`
+    less one): a request answered at once with a shallower chain than it asked can still pay, but
+    not with a much shallower one. None otherwise. Either way the session's pre-drafts are used up."""
     outcomes, s.ahead = s.ahead, None
     o = None if reset or not outcomes else outcomes.get(tuple(tokens))
-    if o is None or not o.chain:
+    if o is None or not o.chain or o.cut and 2 * len(o.chain) < budget - 1:
         return None
     s.seq = o.seq
     s.carry = o.carry

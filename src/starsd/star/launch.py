@@ -218,7 +218,7 @@ def show_star(summary: dict, n: int, dtype: str, json_out: str | None, png: str 
                   f"tok/s over {n} targets",
         "draft server": f"utilisation {server['utilization']:.0%}; batches by size {{{sizes}}}",
         "pre-drafting": f"{ahead['hits']} of {server['requests']} draft requests answered from a draft made in idle "
-                        f"time ({ahead['outcomes']} outcomes drafted, {ahead['yields']} given up for a request)",
+                        f"time ({ahead['outcomes']} outcomes drafted, {ahead['yields']} cut short for a request)",
     }
     print_summary(f"starsd launch: 1 draft server, {n} targets ({dtype})", ["target", "tokens", "tokens/s",
                   "accepted/step"], rows, facts, {"JSON": json_out, "plot": png})

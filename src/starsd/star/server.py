@@ -28,7 +28,7 @@ import time
 import torch
 
 from starsd.config import MAX_DRAFT_NODES, ServerConfig
-from starsd.models.drafter import DraftJob, Drafter, Interrupted
+from starsd.models.drafter import DraftJob, Drafter
 from starsd.spec.tree import DraftTree
 from starsd.star import ahead
 from starsd.star import protocol as P
@@ -207,7 +207,7 @@ class DraftServer:
 
     def _answer_ahead(self, s: Session, req: Request) -> bool:
         """Answer a request from its session's pre-draft if it brings what the pre-draft assumed."""
-        o = ahead.answer(s, req.tensors[0].tolist(), req.msg.reset)
+        o = ahead.answer(s, req.tensors[0].tolist(), req.msg.budget, req.msg.reset)
         if o is None:
             self.stats.count("predraft_misses")
             return False
@@ -236,10 +236,9 @@ class DraftServer:
             return
         start = time.perf_counter()
         try:
-            ahead.predraft(self.drafter, todo, stop=lambda: not self.q_in.empty() or self.stopping.is_set())
+            if ahead.predraft(self.drafter, todo, stop=lambda: not self.q_in.empty() or self.stopping.is_set()):
+                self.stats.count("predraft_yields")
             self.stats.count("predrafts", len(todo))
-        except Interrupted:
-            self.stats.count("predraft_yields")
         except Exception:  # a pre-draft is optional work: its failure costs nothing but the attempt
             log.exception("pre-draft of %d outcomes failed", len(todo))
             for s, _ in todo:

@@ -30,7 +30,7 @@ class ServerStats:
         self.predrafts = 0  # outcomes pre-drafted (ahead.py)
         self.predraft_hits = 0  # requests answered from a pre-draft
         self.predraft_misses = 0  # requests that came with other tokens than their pre-draft assumed
-        self.predraft_yields = 0  # pre-draft batches given up for a request that arrived
+        self.predraft_yields = 0  # pre-draft batches cut short for a request that arrived
         self.predraft_s = 0.0  # compute spent pre-drafting (not in busy_s)
         # The drafted rows by kind, and the tokens each kind had the draft model ingest: "reset" (a
         # stream's whole sequence: a new prompt, or a stream back from decoding alone without its
