@@ -82,6 +82,9 @@ def test_each_predrafted_outcome_is_the_draft_its_request_would_get(tiny_drafter
     ahead.observe(s, chain[:1] + [9])
     assert s.shortfall == pytest.approx([ahead.DECAY, 0.0, 1.0 + ahead.DECAY ** 2])  # whole once, 2 short twice
     assert [short for _, short in ahead.plan([s], rows=4)][:2] == [2, 0]
+    other = Session(2, b"other", "u", seq=s.seq, draft=CHAIN, sampling=GREEDY, last_chain=chain,
+                    last_second=s.last_second, budget=4, shortfall=[0.0, 3.0, 1.0])
+    assert [(x.tag, short) for x, short in ahead.plan([s, other], rows=4)] == [(2, 1), (1, 2), (1, 0), (2, 2)]
 
 
 def test_a_predraft_cut_short_answers_only_a_request_asking_at_most_twice_as_deep():

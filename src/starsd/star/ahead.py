@@ -81,19 +81,22 @@ def eligible(s) -> bool:
 
 
 def plan(sessions: list, rows: int = ROWS) -> list[tuple]:
-    """The outcomes to pre-draft next, (session, tokens short of its whole chain), likeliest first
-    by each session's tally (with none, the whole chain first and then ever shorter), `rows` at
-    most, none drafted already."""
+    """The outcomes to pre-draft next, (session, tokens short of its whole chain), `rows` at most,
+    none drafted already: each session's likeliest by its tally (with none, the whole chain first
+    and then ever shorter), every session's first before any session's second, and so on (the
+    likelier first among those)."""
     options = []
     for s in sessions:
         total = sum(s.shortfall)
         done = {o.short for o in (s.ahead or {}).values()}
+        mine = []
         for short in range(len(s.last_chain) + 1):
             if short in done or short and len(s.last_second) < len(s.last_chain) - short + 1:
                 continue  # drafted, or no runner-up known where the chain would break
             seen = s.shortfall[short] / total if short < len(s.shortfall) and total else 0.0
-            options.append((-seen, short, id(s), s))
-    return [(s, short) for _, short, _, s in sorted(options, key=lambda o: o[:3])[:rows]]
+            mine.append((-seen, short))
+        options += [(rank, *o, id(s), s) for rank, o in enumerate(sorted(mine), start=len(done))]
+    return [(s, short) for _, _, short, _, s in sorted(options, key=lambda o: o[:4])[:rows]]
 
 
 def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> bool:
