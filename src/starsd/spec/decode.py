@@ -8,8 +8,9 @@ process, star.client.RemoteDrafter on a draft server), and may say it is `asynch
 can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
 as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
 it gave is; the drafter's `lateness` how many tokens such drafts usually come after their ask, and
-its `server_ms` the server's own time on one, over the prompts so far). A drafter whose `taps` is not None drafts from the target's features (an EAGLE head): each committed token
-goes to it with the target's feature of the position before it. `start` is told the first step's
+its `server_ms` the server's own time on one, over the prompts so far). A drafter whose `taps` is
+not None drafts from the target's features (an EAGLE head): each committed token goes to it with
+the target's feature of the position before it. `start` is told the first step's
 draft before the target's prefill, so that a remote drafter can draft while the target prefills (a
 remote one is told it as a draft asked ahead: none where the server would answer too late to pay).
 Each random generator lives on the device of the tensors it draws for."""
