@@ -117,15 +117,15 @@ class SlowTarget:
         return self.target.score(seq, tree)
 
 
-def generate(drafter, target, predraft: bool, n: int = 40):
+def generate(drafter, target, predraft: bool, n: int = 40, kv_budget_gib: float = 8.0):
     address = f"tcp://127.0.0.1:{free_port()}"
-    server = DraftServer(drafter, FP, 128, ServerConfig(bind=address, predraft=predraft))
+    server = DraftServer(drafter, FP, 128, ServerConfig(bind=address, predraft=predraft, kv_budget_gib=kv_budget_gib))
     thread = server.start()
     client = DraftClient(address, FP, "t", timeout_s=10, heartbeat_s=0)
     try:
         client.hello()
         got = speculative(SlowTarget(target, 30), RemoteDrafter(client), PROMPT, n, CHAIN, GREEDY)
-        return got, server.stats.snapshot(1)["predraft"]
+        return got, server.stats.snapshot(1)["predraft"] | {"requests": server.stats.requests}
     finally:
         client.close()
         server.stop()
@@ -144,6 +144,19 @@ def test_predrafting_changes_no_output(tiny_target, tiny_drafters, quality):
         assert stats["hits"] >= on.num_steps - 3 and on.accepted[1:-1] == [3] * (on.num_steps - 2)
     if quality == "random":
         assert stats["misses"] > stats["hits"]
+
+
+def test_predrafts_hold_no_more_draft_kv_than_the_budget_leaves_free(tiny_target, tiny_drafters):
+    """The tiny draft holds 512 bytes of KV per token, and the session's state 69 columns (35 KiB)
+    here. A 160 KiB budget admits the session to its end (counted at up to 154 KiB, with room for a
+    draft tree) and leaves room for three copies of its state, so at most three of its four outcomes
+    are pre-drafted for a request; with the default budget, a 30 ms verify pass leaves time for all
+    four."""
+    got, stats = generate(tiny_drafters["perfect"], tiny_target, predraft=True, kv_budget_gib=160 / (1 << 20))
+    assert got.token_ids == target_only(tiny_target, PROMPT, 40, GREEDY).token_ids and got.num_steps <= 12
+    assert 0 < stats["outcomes"] <= 3 * stats["requests"]
+    _, free = generate(tiny_drafters["perfect"], tiny_target, predraft=True)
+    assert free["outcomes"] > stats["outcomes"]  # the budget held it back, not the time
 
 
 def test_recent_busy_reads_only_the_last_seconds():

@@ -222,11 +222,19 @@ class DraftServer:
     def _predraft_todo(self) -> list[tuple[Session, int]]:
         """The outcomes to pre-draft now, (session, tokens short of its last chain): none while the
         server has been nearly saturated (past N_full the gaps between batches are too short to
-        use), else the likeliest of the idle chain sessions' not drafted yet (ahead.plan)."""
+        use), else the likeliest of the idle chain sessions' not drafted yet (ahead.plan), as far
+        as their copies of the sessions' state fit in the draft KV budget the sessions leave free."""
         if (not self.cfg.predraft or self.drafter.taps is not None  # a head cannot guess the target's features
                 or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY):
             return []
-        return ahead.plan([s for s in self.sessions if ahead.eligible(s)])
+        room = self.sessions.kv_budget - self.sessions.kv_bytes() - self.sessions.predraft_bytes()
+        todo = []
+        for s, short in ahead.plan([s for s in self.sessions if ahead.eligible(s)]):
+            room -= s.seq.kv.capacity * self.sessions.column_bytes
+            if room < 0:
+                break
+            todo.append((s, short))
+        return todo
 
     def _predraft(self) -> None:
         """Pre-draft the likeliest next requests of idle chain sessions (ahead.py), yielding to the

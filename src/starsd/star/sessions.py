@@ -146,6 +146,11 @@ class Sessions:
         return sum(x.seq.kv.capacity * self.column_bytes for x in self._by_tag.values()
                    if x.seq is not None and x is not skip)
 
+    def predraft_bytes(self) -> int:
+        """Draft KV memory the sessions' pre-drafts hold (copies of their state; star/ahead.py)."""
+        return sum(o.seq.kv.capacity * self.column_bytes for x in self._by_tag.values()
+                   for o in (x.ahead or {}).values())
+
     def _check_memory(self, s: Session, length: int) -> None:
         """Refuse (kv_full) a request whose session would take the draft KV past its budget: its
         tokens, a draft tree below them, and an allocation that grows by doubling. A request its
