@@ -69,13 +69,15 @@ class DraftServer:
         try:
             while not self.stopping.is_set():
                 todo = [] if self._waiting else self._predraft_todo()
-                self._handle(self._next_round(wait=not todo and not self._waiting))
+                pending = self._next_round(wait=not todo and not self._waiting)
+                self._handle(pending)
                 if self._waiting:
                     batch = self._next_batch()
                     if batch:
                         self._draft(batch)
                 elif todo and not self._deferred and self.q_in.empty():
-                    self._predraft()
+                    self._predraft(self._predraft_todo() if pending else todo)  # planned again if a message
+                    # came meanwhile (a request answered from a pre-draft changes its session's outcomes)
                 self.transport.backlog = len(self._waiting) + len(self._deferred)
                 self._reap()
         finally:
@@ -236,10 +238,9 @@ class DraftServer:
             todo.append((s, short))
         return todo
 
-    def _predraft(self) -> None:
-        """Pre-draft the likeliest next requests of idle chain sessions (ahead.py), yielding to the
-        first request that arrives."""
-        todo = self._predraft_todo()
+    def _predraft(self, todo: list[tuple[Session, int]]) -> None:
+        """Pre-draft these outcomes of idle chain sessions (ahead.py, `_predraft_todo`), yielding to
+        the first request that arrives."""
         if not todo:
             return
         start = time.perf_counter()
