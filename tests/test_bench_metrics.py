@@ -11,7 +11,7 @@ import pytest
 import tiny
 from starsd import cli
 from starsd import config as C
-from starsd.bench import metrics, scale
+from starsd.bench import harness, metrics, scale
 from starsd.bench.multihost import networks
 from starsd.theory import sysmodel
 
@@ -125,6 +125,30 @@ def test_out_of_sample_profile_takes_the_sweeps_shape_and_the_n1_points_scale():
     assert whole.tokens_per_iteration == 4.0 and whole.tokens_samples == (2, 5, 5) and whole.return_ms == 300.0
 
 
+def test_out_of_sample_profile_carries_the_resets_the_n1_server_ingested():
+    """Each request of a batch of b carries the prompt tokens a request made the N = 1 server ingest
+    on average, at the sweep's cost per token; k then scales S(1) to the N = 1 point's."""
+    in_sample = sysmodel.Profile({1: 90.0}, return_ms=300.0, tokens_per_iteration=3.0)
+    work = {"reset_rows": 1, "reset_tokens": 100, "step_rows": 9, "step_tokens": 40}  # 10 prompt tokens per request
+    points = [{"mode": "batched", "n": 1, "batch_times": [(1, 120.0)], "server_work": work}]
+    sweep = {"1": [50.0], "4": [110.0]}
+    got = scale.calibrated_profile(points, sweep, in_sample, reset_ms_per_token=1.0)
+    # shape: S(1) 50 + 10 = 60, S(4) 110 + 40 = 150; k = 120 / 60
+    assert got.service_ms == pytest.approx({1: 120.0, 4: 300.0})
+    without = scale.calibrated_profile(points, sweep, in_sample)
+    assert without.service_ms == pytest.approx({1: 120.0, 4: 264.0})
+    both = scale.calibrations({"points": points, "service_sweep_ms": sweep, "reset_ms_per_token": 1.0}, in_sample)
+    assert both["out_of_sample"].service_ms == got.service_ms
+    assert both["out_of_sample_without_resets"].service_ms == without.service_ms
+
+
+def test_reset_cost_is_the_first_batches_extra_time_per_prompt_token():
+    sweep = {1: {"service_ms": [50.0, 70.0], "reset_ms": [160.0], "reset_tokens": [100]},
+             4: {"service_ms": [200.0], "reset_ms": [600.0, 640.0], "reset_tokens": [300, 500]}}
+    assert harness.reset_cost(sweep) == pytest.approx((100.0 + 420.0) / (100 + 400))
+    assert harness.reset_cost({1: {"service_ms": [50.0], "bound_ms": [40.0]}}) is None  # timed before resets were
+
+
 def test_predraft_ceiling_is_every_draft_answered_at_once():
     its = [metrics.Iteration("t", 0.0, 1.0, 3, wall_ms=250.0), metrics.Iteration("t", 1.0, 1.5, 1)]
     assert scale.predraft_ceiling(its) == pytest.approx(1500 / 1250)
@@ -196,6 +220,10 @@ def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     assert "replay" in result["replay"]["targets"]
     assert set(result["n_full"]) == {"serial", "batched"}
     assert set(result["service_sweep_ms"]) == {"1", "2", "4"}
+    assert result["reset_ms_per_token"] > 0  # a prompt costs the draft something to ingest
+    without = checks["out_of_sample_without_resets"]
+    assert set(without["batched"]["throughput_errors"]) == {"3"}
+    assert without["profile_service_ms"] != oos["profile_service_ms"]  # the resets' term
     for suffix in ("", "-utilization", "-latency"):
         assert (tmp_path / f"scale{suffix}.png").stat().st_size > 1000
     model = subprocess.run([sys.executable, "-m", "starsd.cli", "model", "--from", str(out), "--targets", "1,2,8"],

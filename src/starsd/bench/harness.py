@@ -213,7 +213,9 @@ def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.D
     (a replay target with no latency verifies; for an EAGLE head, with the recorded `features`).
     The bound is the bare model running the same passes right after (`bound_ms`). A batch drafts
     as deep as its deepest row needs, so small batches are measured on several disjoint groups of
-    prompts (at least rows_per_size rows in all)."""
+    prompts (at least rows_per_size rows in all). Each group's first batch, where every row starts
+    from its prompt (a reset), is timed apart: `reset_ms`, with the prompt tokens it ingested in
+    `reset_tokens` (`reset_cost` makes a cost per token of it)."""
     prompts = [p["prompt_ids"] for p in rec.prompts.values() if len(p["continuation"]) == rec.max_new_tokens]
     if not prompts:
         raise ValueError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
@@ -221,11 +223,11 @@ def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.D
     with Steps("service sweep", len(sizes)) as steps:
         for b in sizes:
             steps.begin(f"batch b={b}")
-            out[b] = {"service_ms": [], "bound_ms": []}
+            out[b] = {}
             for g in range(max(1, -(-rows_per_size // b))):
                 rows = [prompts[(g * b + i) % len(prompts)] for i in range(b)]
                 for key, values in _time_group(drafter, rec, rows, cfg, reps, features).items():
-                    out[b][key] += values
+                    out[b].setdefault(key, []).extend(values)
             steps.end(f"service sweep: batch {b}: {statistics.fmean(out[b]['service_ms']):.0f} ms, bound "
                       f"{statistics.fmean(out[b]['bound_ms']):.0f} ms")
     return out
@@ -276,12 +278,26 @@ class _Group:
 def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.DraftConfig,
                 reps: int, features: dict | None) -> dict[str, list[float]]:
     group = _Group(drafter, rec, rows, features)
-    out = {"service_ms": [], "bound_ms": []}
-    for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, dropped
+    out = {"service_ms": [], "bound_ms": [], "reset_ms": [], "reset_tokens": [sum(map(len, rows))]}
+    for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, timed apart
         if min(group.left()) < 2:
             raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
+        t0 = time.perf_counter()
         group.step(list(range(len(rows))), cfg, out if rep else None)
+        if not rep:
+            out["reset_ms"].append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def reset_cost(sweep: dict[int, dict[str, list[float]]]) -> float | None:
+    """What a reset adds to a batch, in ms per prompt token: over every batch size of a service
+    sweep, the first batches' extra time over the steady ones, per prompt token they ingested
+    (a prompt longer than drafter.SOLO_INGEST is ingested on its own, so the cost adds up row by
+    row). None for a sweep without first batches timed."""
+    sizes = [v for v in sweep.values() if v.get("reset_ms") and v.get("service_ms")]
+    tokens = sum(statistics.fmean(v["reset_tokens"]) for v in sizes)
+    extra = sum(statistics.fmean(v["reset_ms"]) - statistics.fmean(v["service_ms"]) for v in sizes)
+    return max(0.0, extra / tokens) if tokens else None
 
 
 def measure_acceptance(drafter: Drafter, rec: Recording, cfg: C.DraftConfig,

@@ -149,22 +149,40 @@ def eagle_figures(points: list[dict], its: dict, target_only: dict, max_batch: i
 
 
 def calibrated_profile(points: list[dict], sweep: dict, in_sample: sysmodel.Profile,
-                       tokens: list[int] | None = None) -> sysmodel.Profile | None:
+                       tokens: list[int] | None = None,
+                       reset_ms_per_token: float | None = None) -> sysmodel.Profile | None:
     """The model's inputs from separate runs only, for an out-of-sample prediction: the shape of
     S(b) from the service sweep (this process, no targets beside it), scaled to the draft server's
     own S(1) at the batched N = 1 point; R from that point (as in-sample); tau from `tokens`, the
     tokens per iteration over the whole recording (`harness.measure_acceptance`), else from that
-    point. No other point is used. None without a sweep or a batched N = 1 point."""
+    point. No other point is used. None without a sweep or a batched N = 1 point.
+
+    The sweep's batches are steady steps; a server also ingests each new prompt (a reset), row by
+    row. With `reset_ms_per_token` (`harness.reset_cost` of the sweep), each of a batch's b requests
+    also carries the prompt tokens the N = 1 point's server ingested per request on average, at
+    that cost: S(b) = k (S_sweep(b) + b r), with k making S(1) the N = 1 point's."""
     one = next((p for p in points if p["mode"] == "batched" and p["n"] == 1), None)
     sweep = {int(b): statistics.fmean(v) for b, v in (sweep or {}).items() if v}
     s1 = [ms for b, ms in (one or {}).get("batch_times", []) if b == 1]
     if not s1 or 1 not in sweep:
         return None
-    scale = statistics.fmean(s1) / sweep[1]
-    out = dataclasses.replace(in_sample, service_ms={b: v * scale for b, v in sorted(sweep.items())})
+    work = one.get("server_work") or {}
+    rows = work.get("reset_rows", 0) + work.get("step_rows", 0)
+    r = (reset_ms_per_token or 0.0) * work.get("reset_tokens", 0) / rows if rows else 0.0
+    shape = {b: v + b * r for b, v in sorted(sweep.items())}
+    scale = statistics.fmean(s1) / shape[1]
+    out = dataclasses.replace(in_sample, service_ms={b: v * scale for b, v in shape.items()})
     if tokens:
         out = dataclasses.replace(out, tokens_per_iteration=statistics.fmean(tokens), tokens_samples=tuple(tokens))
     return out
+
+
+def calibrations(result: dict, in_sample: sysmodel.Profile) -> dict[str, sysmodel.Profile | None]:
+    """A result's model calibrated apart, with the resets' cost (the one reported as out of sample)
+    and without it, as it was before the sweep timed resets (beside it, for comparison)."""
+    args = (result["points"], result.get("service_sweep_ms"), in_sample, result.get("acceptance_tokens"))
+    return {"out_of_sample": calibrated_profile(*args, result.get("reset_ms_per_token")),
+            "out_of_sample_without_resets": calibrated_profile(*args)}
 
 
 def out_of_sample(points: list[dict], profile: sysmodel.Profile | None) -> dict:
@@ -214,9 +232,9 @@ def annotate(points: list[dict], profile: sysmodel.Profile, seed: int) -> dict:
     return n_full
 
 
-def checks(points: list[dict], n_full: dict, calibrated: sysmodel.Profile | None = None) -> dict:
+def checks(points: list[dict], n_full: dict, calibrated: dict[str, sysmodel.Profile | None] | None = None) -> dict:
     """The issue's targets, each with the figures it was judged on (`calibrated`: the model's
-    profile calibrated apart, for its out-of-sample errors)."""
+    profiles calibrated apart, by the key their out-of-sample errors go under)."""
     by = {m: sorted((p for p in points if p["mode"] == m), key=lambda p: p["n"]) for m in {p["mode"] for p in points}}
     out = {}
     for mode, nf in n_full.items():
@@ -238,7 +256,8 @@ def checks(points: list[dict], n_full: dict, calibrated: sysmodel.Profile | None
                                     "saturated_throughput_ratio": sat["batched"] / sat["serial"]}
     out.update(depth_checks(by))
     out.update(predraft_checks(by))
-    out["out_of_sample"] = out_of_sample(points, calibrated)
+    for key, profile in (calibrated or {"out_of_sample": None}).items():
+        out[key] = out_of_sample(points, profile)
     if "single-pair" in by and "batched" in n_full:
         at = min(by["batched"], key=lambda p: abs(p["n"] - n_full["batched"]["measured"]))
         out["latency_cv"] = {"single_pair": by["single-pair"][0]["latency_cv"], "batched_n": at["n"],
@@ -310,7 +329,7 @@ def plot(path_stem: str, result: dict) -> None:
     prediction, utilisation over time, per-token latency CDF."""
     points = result["points"]
     profile = sysmodel.Profile.from_json(result["profile"])
-    calibrated = calibrated_profile(points, result.get("service_sweep_ms"), profile)
+    calibrated = calibrations(result, profile)["out_of_sample"]
     ns = sorted({p["n"] for p in points})
     colours = COLOURS | dict(zip(sorted({p["mode"] for p in points} - set(COLOURS)), MORE_COLOURS))
     panels = []
@@ -376,6 +395,12 @@ def show(result: dict, json_out: str, extra_files: dict[str, str] | None = None)
                                       f"{_num(b.get('measured'))}, {_num(b.get('predicted'))}); "
                                       f"{e['tokens_per_iteration']:.2f} tokens per iteration (draft model: "
                                       f"{sysmodel.Profile.from_json(result['profile']).tokens_per_iteration:.2f})")
+    for mode in ("serial", "batched"):
+        apart = {k: result["checks"].get(k, {}).get(mode) for k in ("out_of_sample", "out_of_sample_without_resets")}
+        if apart["out_of_sample"] and apart["out_of_sample"]["throughput_max_error"] is not None:
+            facts[f"{mode}, model calibrated apart"] = ", ".join(
+                f"{label} {_pct(c['throughput_max_error'])} at most, N_full {_pct(c['n_full_error'])}"
+                for label, c in zip(("error", "without resets"), apart.values()) if c)
     if result["checks"].get("adaptive_min_vs_best_fixed") is not None:
         facts["adaptive depth"] = (f"{result['checks']['adaptive_min_vs_best_fixed']:.2f}x the best fixed depth "
                                    "at its worst N")
@@ -403,8 +428,7 @@ def reanalyse(path: str, seed: int) -> int:
     result = json.loads(Path(path).read_text())
     profile = sysmodel.Profile.from_json(result["profile"])
     n_full = annotate(result["points"], profile, seed)
-    calibrated = calibrated_profile(result["points"], result.get("service_sweep_ms"), profile,
-                                    result.get("acceptance_tokens"))
+    calibrated = calibrations(result, profile)
     measured_only = {k: v for k, v in result["checks"].items() if k == "predraft_ceiling_n1"}  # needs iterations
     result.update(n_full=n_full, checks=checks(result["points"], n_full, calibrated) | measured_only)
     write_json(path, {k: v for k, v in result.items() if k != "meta"} | {"reanalysed_from": result.get("meta")})
@@ -448,8 +472,8 @@ def main(args) -> int:
     inputs = harness.prepare(args)
     sizes = [b for b in SWEEP if b <= args.max_batch]
     drafter = Drafter(load_model(pair.draft_model(), pair.cache))
-    service = {b: v["service_ms"] for b, v in harness.measure_service(drafter, inputs.recording, sizes,
-                                                                       inputs.draft).items()}
+    sweep = harness.measure_service(drafter, inputs.recording, sizes, inputs.draft)
+    service = {b: v["service_ms"] for b, v in sweep.items()}
     tokens = harness.measure_acceptance(drafter, inputs.recording, inputs.draft)
     del drafter
     eagle_service = {}
@@ -490,15 +514,14 @@ def main(args) -> int:
                 star.close()
     profile = build_profile(points + unshown, its[("batched", 1)], alone, args.max_batch)
     n_full = annotate(points, profile, args.seed)
-    calibrated = calibrated_profile(points + unshown, service, profile, tokens)
     result = {
         "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
                    "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": profile.to_json(), "service_sweep_ms": service, "acceptance_tokens": tokens,
-        "n_full": n_full,
-        "checks": checks(points, n_full, calibrated), "points": points,
+        "reset_ms_per_token": harness.reset_cost(sweep), "n_full": n_full, "points": points,
     }
+    result["checks"] = checks(points, n_full, calibrations(result | {"points": points + unshown}, profile))
     result["checks"]["predraft_ceiling_n1"] = predraft_ceiling(its[("batched", 1)])
     if pair.eagle:
         result["eagle"] = eagle_figures(points, its, alone, args.max_batch, eagle_service) | {"head": pair.eagle}

@@ -5,7 +5,8 @@ target's accepted tokens (the replay recording) come back after every draft, as 
 S(b) is the wall time of one batched draft: the draft server's compute for one batch. The bound is
 the bare model doing the same forward passes right after (the same rows, tokens and attended
 columns, one LM-head call per pass), with nothing else: what S(b) would be if drafting cost only
-the model. Writes JSON and a plot of both against b.
+the model. Each group's first batch, where every session ingests its prompt, gives what a reset adds
+per prompt token (`reset_ms_per_token`). Writes JSON and a plot of both against b.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main(args) -> int:
     rows = summarize(sweep)
     result = {"benchmark": "service", "draft": pair.draft, "draft_model": vars(pair.draft_model()),
               "threads": args.threads, "draft_config": vars(draft), "by_batch": {str(b): r for b, r in rows.items()},
-              "samples_ms": {str(b): v for b, v in sweep.items()}}
+              "samples_ms": {str(b): v for b, v in sweep.items()}, "reset_ms_per_token": harness.reset_cost(sweep)}
     write_json(args.json_out, result)
     bs = list(rows)
     png = str(args.json_out).rsplit(".", 1)[0] + ".png"
@@ -73,5 +74,7 @@ def main(args) -> int:
             f"threads={args.threads})", ["b", "S(b) ms", "bound ms", "over bound", "S(b)/S(1)", "ms per request"],
             [[b, f"{r['service_ms']:.0f}", f"{r['bound_ms']:.0f}", f"{r['over_bound']:.0%}", f"{r['vs_one']:.2f}",
               f"{r['service_ms'] / b:.0f}"] for b, r in rows.items()],
+            {"a reset": f"{result['reset_ms_per_token']:.2f} ms more per prompt token ingested (first batches "
+                        "over steady ones)"},
             files={"JSON": args.json_out, "plot": png})
     return 0
