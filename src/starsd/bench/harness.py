@@ -250,18 +250,21 @@ class _Group:
         """Tokens left in each row's recording."""
         return [len(j.continuation) - j.position for j in self.judged]
 
-    def step(self, rows: list[int], cfg: C.DraftConfig, timed: dict[str, list[float]] | None = None) -> list[int]:
-        """Draft these rows in one batch (its wall time and bound appended to `timed`, if given),
-        verify and commit each draft; the tokens each row committed (accepted + the target's own)."""
+    def step(self, rows: list[int], cfg: C.DraftConfig, timed: list[float] | None = None,
+             bound: list[float] | None = None) -> list[int]:
+        """Draft these rows in one batch (its wall time appended to `timed`, and the bare model's
+        time for its passes to `bound`, if given), verify and commit each draft; the tokens each
+        row committed (accepted + the target's own)."""
         left = self.left()
         jobs = [DraftJob(self.seqs[i], self.new[i], cfg, C.SamplingConfig(), None, left[i] - 1,
                          features=self.feats[i]) for i in rows]
-        self.drafter.passes = [] if timed is not None else None
+        self.drafter.passes = [] if bound is not None else None
         t0 = time.perf_counter()
         trees = self.drafter.propose_batch(jobs)
         if timed is not None:
-            timed["service_ms"].append((time.perf_counter() - t0) * 1e3)
-            timed["bound_ms"].append(bound_ms(self.drafter.model, self.drafter.passes))
+            timed.append((time.perf_counter() - t0) * 1e3)
+        if bound is not None:
+            bound.append(bound_ms(self.drafter.model, self.drafter.passes))
         self.drafter.passes = None
         committed = []
         for i, tree in zip(rows, trees):
@@ -282,10 +285,10 @@ def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.
     for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, timed apart
         if min(group.left()) < 2:
             raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
-        t0 = time.perf_counter()
-        group.step(list(range(len(rows))), cfg, out if rep else None)
-        if not rep:
-            out["reset_ms"].append((time.perf_counter() - t0) * 1e3)
+        if rep:
+            group.step(list(range(len(rows))), cfg, out["service_ms"], out["bound_ms"])
+        else:
+            group.step(list(range(len(rows))), cfg, out["reset_ms"])
     return out
 
 
