@@ -278,3 +278,98 @@ def test_batches_take_the_oldest_then_next_steps_before_new_prompts_within_a_tok
     server._waiting = waiting(server, sizes[:3])
     server.sessions.free(server._waiting[0][0], "bye")
     assert batches(server) == [[300], [2]]
+
+
+def test_a_bye_is_taken_while_the_queue_is_full(tiny_drafters):
+    """A Bye that came while Q_in was full was refused as busy, like a draft request, and its
+    session kept its draft KV until it timed out (120 s). A Bye is always taken: the session goes
+    as soon as the compute loop is free again."""
+    gated = Gated(tiny_drafters["good"])
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = DraftServer(gated, FP, 128, ServerConfig(bind=address, queue_limit=1, session_timeout_s=120,
+                                                  predraft=False))
+    thread = server.start()
+    blocker, filler, leaver = (client(address) for _ in range(3))
+    for c in (blocker, filler, leaver):
+        c.draft([1, 2, 3], 5, *CHAIN)  # each session holds draft KV
+    background = [threading.Thread(target=c.draft, args=([4], 5)) for c in (blocker, filler)]
+    try:
+        gated.closed.set()
+        background[0].start()  # the blocker's request holds the compute loop
+        assert gated.entered.wait(10)
+        background[1].start()  # the filler's fills Q_in (limit 1)
+        assert wait_for(lambda: server.q_in.qsize() == 1)
+        leaver.close()  # its Bye comes while Q_in is full
+        assert wait_for(lambda: server.q_in.qsize() == 2 or "busy" in server.stats.errors)
+        assert "busy" not in server.stats.errors
+    finally:
+        gated.closed.clear()
+        gated.opened.set()
+        for t in background:
+            t.join(10)
+    assert wait_for(lambda: leaver.tag not in server.sessions)
+    assert len(server.sessions) == 2
+    for c in (blocker, filler):
+        c.close()
+    server.stop()
+    thread.join(timeout=5)
+
+
+def wait_for(condition, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def kept_for(sessions, tag: int) -> list[str]:
+    """The names of the Sessions' dicts that still hold `tag`: after its session is freed, none."""
+    return [name for name, value in vars(sessions).items() if isinstance(value, dict) and dict.__contains__(value, tag)]
+
+
+def test_a_ping_for_a_freed_or_unknown_session_is_answered_unknown_and_leaves_nothing(make_server):
+    server, address = make_server()
+    gone = client(address)
+    tag = gone.tag
+    gone.close()
+    assert wait_for(lambda: tag not in server.sessions)
+    pinger = DraftClient(address, FP, "p", timeout_s=10, heartbeat_s=0)
+    for t in (tag, 12345):
+        pinger._send(P.Ping(t, time.time()))
+        pong, _ = pinger._receive(P.Pong)
+        assert not pong.known
+        assert kept_for(server.sessions, t) == []
+    pinger.close()
+
+
+def test_a_ping_racing_with_free_leaves_nothing_of_the_session(tiny_drafters):
+    """The IO thread's heartbeat found the tag live, the compute loop freed its session, and then
+    the heartbeat wrote the tag's ping time into a dict free had already cleared: an entry leaked
+    per such session, forever. Driven here in that order: the session is freed within the lookup."""
+    sessions = DraftServer(tiny_drafters["good"], FP, 128, ServerConfig()).sessions
+    s = sessions.open(b"peer", P.Hello(P.PROTOCOL_VERSION, FP, "t"))
+
+    def free_now():  # the compute loop's turn: once, while the session is still held
+        if dict.__contains__(sessions._by_tag, s.tag):
+            sessions.free(s, "bye")
+
+    class FreedAfterLookup(dict):
+        def __contains__(self, tag):
+            found = dict.__contains__(self, tag)
+            free_now()
+            return found
+
+        def get(self, tag, default=None):
+            found = dict.get(self, tag, default)
+            free_now()
+            return found
+
+        def __getitem__(self, tag):
+            found = dict.__getitem__(self, tag)
+            free_now()
+            return found
+
+    sessions._by_tag = FreedAfterLookup(sessions._by_tag)
+    assert sessions.heartbeat(s.tag)  # held when the ping came in
+    assert not dict.__contains__(sessions._by_tag, s.tag)
+    assert kept_for(sessions, s.tag) == []

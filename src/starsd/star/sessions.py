@@ -7,7 +7,9 @@ authenticated key), so sessions never see or disturb each other. A session's `ne
 by one per request taken; a refused request is not taken and leaves it where it was. A session is freed on Bye, on a second Hello from its
 connection, or once neither a request nor a heartbeat has come for session_timeout_s.
 
-Only the compute loop calls these methods, except `heartbeat` (the IO thread).
+Only the compute loop calls these methods, except `heartbeat` (the IO thread). `heartbeat` writes
+nothing but the `pinged` field of a session it finds, so a ping that races with `free` (the compute
+loop) lands on a session object that is gone with it, and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Session:
     shortfall: list[float] = field(default_factory=list)  # requests by how many tokens short of the whole
     # chain they came, recent ones weighing more (ahead.observe)
     ahead: dict[tuple[int, ...], Outcome] | None = None  # pre-drafts of its next request, by the tokens it brings
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # its last request (compute loop)
+    pinged: float = 0.0  # its last heartbeat (monotonic s); written by the IO thread only
 
 
 class Sessions:
@@ -69,7 +72,6 @@ class Sessions:
         self.stats = stats
         self._by_tag: dict[int, Session] = {}
         self._by_peer: dict[bytes, int] = {}
-        self._pinged: dict[int, float] = {}  # tag -> last heartbeat (monotonic s), written by the IO thread
         self.column_bytes = KV.bytes_per_column(drafter.model)  # one token of draft KV
         self.kv_budget = int(cfg.kv_budget_gib * (1 << 30))
 
@@ -166,15 +168,16 @@ class Sessions:
 
     def heartbeat(self, tag: int) -> bool:
         """A Ping with this tag came in (IO thread): the target is alive. The tag is the proof.
-        Whether the session is held (its Pong says so)."""
-        if tag in self._by_tag:
-            self._pinged[tag] = time.monotonic()
-            return True
-        return False
+        Whether the session is held (its Pong says so). One lookup, then a write to the session
+        itself: a session freed meanwhile takes the write with it (a dict keyed by tag kept it)."""
+        s = self._by_tag.get(tag)
+        if s is None:
+            return False
+        s.pinged = time.monotonic()
+        return True
 
     def free(self, s: Session, why: str) -> None:
         self._by_tag.pop(s.tag, None)
-        self._pinged.pop(s.tag, None)
         if self._by_peer.get(s.peer) == s.tag:
             del self._by_peer[s.peer]
         self.stats.count("sessions_freed")
@@ -184,5 +187,5 @@ class Sessions:
         """Free every session whose target has been silent for session_timeout_s."""
         now = time.monotonic()
         for s in list(self._by_tag.values()):
-            if now - max(s.last_seen, self._pinged.get(s.tag, 0.0)) > self.cfg.session_timeout_s:
+            if now - max(s.last_seen, s.pinged) > self.cfg.session_timeout_s:
                 self.free(s, "timed out")

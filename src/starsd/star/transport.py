@@ -2,9 +2,10 @@
 
 It decodes and validates every message as it arrives and answers a malformed one with an Error at
 once; it answers heartbeats (Ping) and StatsRequests itself, so they never wait behind drafting;
-it refuses a request as `busy` when Q_in is full; everything else goes on Q_in for the compute
-loop. Replies come back from the compute loop through an inproc PUSH/PULL pair (the Outbox), which
-wakes the IO thread at once, and leave through the ROUTER socket.
+it refuses a Hello or a DraftRequest as `busy` when Q_in is full; everything else (a Bye too, which
+frees a session's memory) goes on Q_in for the compute loop. Replies come back from the compute
+loop through an inproc PUSH/PULL pair (the Outbox), which wakes the IO thread at once, and leave
+through the ROUTER socket.
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ class Transport:
         if not isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):
             self.stats.error("unexpected")
             return answer(P.Error("unexpected", f"{type(msg).__name__} is not a request"))
-        if self.q_in.qsize() + self.backlog >= self.queue_limit:  # not taken: the target goes on without this draft
+        full = self.q_in.qsize() + self.backlog >= self.queue_limit
+        if full and not isinstance(msg, P.Bye):  # not taken: the target goes on without this draft. A Bye is
+            # always taken, beyond the limit: it is tiny, and it frees a session's draft KV
             self.stats.error("busy")
             tag = 0 if isinstance(msg, P.Hello) else msg.tag
             step = msg.step if isinstance(msg, P.DraftRequest) else -1
