@@ -9,7 +9,7 @@ import torch
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient, DraftServerError
-from starsd.star.launch import free_port
+from starsd.star.processes import free_port
 from starsd.star.server import DraftServer, _to_ingest
 from starsd.star.transport import Request
 

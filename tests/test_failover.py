@@ -13,7 +13,8 @@ from starsd.models.pair import Pair
 from starsd.spec.decode import speculative, speculative_steps, target_only
 from starsd.spec.depth import DepthPolicy
 from starsd.star.client import DraftClient, RemoteDrafter, query_stats
-from starsd.star.launch import free_port, start_server
+from starsd.star.launch import start_server
+from starsd.star.processes import free_port
 
 DRAFT = DraftConfig(depth=4, adaptive=False)
 GREEDY = SamplingConfig()

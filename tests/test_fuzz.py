@@ -28,7 +28,7 @@ from starsd.bench import fuzz as F
 from starsd.config import ServerConfig
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
-from starsd.star.launch import free_port
+from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 
 CODES = {"empty", "unknown_type", "bad_header", "bad_settings", "bad_frames", "bad_tensor", "bad_request", "bad_reply"}

@@ -12,8 +12,8 @@ import starsd
 ROOT = Path(starsd.__file__).parent
 BASE = {"config", "errors", "prompts", "results"}
 ALLOWED = {  # part -> the parts it may import besides itself
-    "config": set(), "errors": set(), "prompts": set(), "results": set(),
-    "theory": {"results"},  # analytical model and simulator: arithmetic, no torch
+    "errors": set(), "config": {"errors"}, "prompts": {"errors"}, "results": set(),
+    "theory": {"errors", "results"},  # analytical model and simulator: arithmetic, no torch
     "spec": {"config", "errors"},  # the speculative core: pure tensor code
     "models": BASE | {"spec"},
     "star": BASE | {"spec", "models"},

@@ -15,7 +15,8 @@ from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative, target_only
 from starsd.star.client import DraftClient, DraftServerError, RemoteDrafter
-from starsd.star.launch import free_port, start_server
+from starsd.star.launch import start_server
+from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 
 FP = "f" * 64

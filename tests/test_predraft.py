@@ -11,7 +11,7 @@ from starsd.models.drafter import DraftJob
 from starsd.spec.decode import speculative, target_only
 from starsd.star.client import DraftClient, RemoteDrafter
 from starsd.star import ahead
-from starsd.star.launch import free_port
+from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 from starsd.star.sessions import Session
 

@@ -15,7 +15,7 @@ import zmq.asyncio
 from starsd.config import ClientKeys, DraftConfig, GatewayKeys, SamplingConfig, ServerConfig, ServingKeys
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient, DraftServerError
-from starsd.star.launch import free_port
+from starsd.star.processes import free_port
 from starsd.star.security import SecurityError, guard_client, guard_server, is_loopback
 from starsd.star.server import DraftServer
 
@@ -134,7 +134,7 @@ def test_listening_beyond_loopback_needs_keys_or_insecure(tiny_drafters, keys):
     assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
     assert not is_loopback("tcp://10.0.0.2:5555") and not is_loopback("tcp://eth0:5555")
     port = free_port()
-    with pytest.raises(RuntimeError, match="--insecure"):
+    with pytest.raises(SecurityError, match="--insecure"):
         DraftServer(tiny_drafters["good"], FP, 128, ServerConfig(bind=f"tcp://0.0.0.0:{port}")).start()
     server = DraftServer(tiny_drafters["good"], FP, 128, ServerConfig(bind=f"tcp://0.0.0.0:{port}", insecure=True))
     thread = server.start()

@@ -16,6 +16,23 @@ from starsd import config as C
 from starsd.errors import StarsdError
 
 
+class Parser(argparse.ArgumentParser):
+    """A flag that cannot be parsed is refused in one line, like every other refusal (errors.py),
+    not with argparse's usage block: the line names the command whose --help lists its flags."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but a flag no command knows is refused by the command it was given to."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            words = [getattr(parsed, "command", None), getattr(parsed, "bench", None)]
+            prog = " ".join([self.prog, *filter(None, words)])
+            self.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see `{prog} --help`)\n")
+        return parsed
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`--help` shows every flag's default, unless its help already says it (flags made from typed
     settings do: config.add_flags) or there is none worth showing (a switch, an empty value)."""
@@ -65,15 +82,18 @@ def args_generate(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
-    from starsd.models.pair import Pair
     from starsd.prompts import Prompt
 
-    cfg = C.from_args(C.PairConfig, args)
+    cfg = C.from_args(C.PairConfig, args)  # every refusal before torch and the models load
+    sampling = C.from_args(C.SamplingConfig, args)
+    draft = None if args.no_spec else C.from_args(C.DraftConfig, args, prefix="draft-")
+
+    from starsd.models.pair import Pair
+
     pair = Pair.load(cfg.target_model(), None if args.no_spec else cfg.draft_model(), cfg.cache, cfg.threads,
                      None if args.no_spec or not cfg.eagle else cfg.eagle_model())
     prompt = Prompt("cli", args.prompt, chat=args.chat)
-    draft = None if args.no_spec else C.from_args(C.DraftConfig, args, prefix="draft-")
-    gen = pair.generate(prompt, args.max_new_tokens, C.from_args(C.SamplingConfig, args), draft)
+    gen = pair.generate(prompt, args.max_new_tokens, sampling, draft)
     text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -98,6 +118,12 @@ def cmd_draft_server(args) -> int:
     import logging
     import signal
 
+    from starsd.star import security
+
+    pair = C.from_args(C.PairConfig, args)  # every refusal before torch and the model load
+    cfg = C.from_args(C.ServerConfig, args)
+    security.check_listen(cfg.bind, cfg.curve_key, cfg.curve_clients, cfg.insecure)
+
     import torch
 
     from starsd.models.loading import logits_width, vocab_fingerprint
@@ -105,12 +131,11 @@ def cmd_draft_server(args) -> int:
     from starsd.star.server import DraftServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    pair = C.from_args(C.PairConfig, args)
     if pair.threads:
         torch.set_num_threads(pair.threads)
     drafter, tokenizer = load_drafter(pair)
     width = logits_width(drafter.model)
-    server = DraftServer(drafter, vocab_fingerprint(tokenizer, width), width, C.from_args(C.ServerConfig, args),
+    server = DraftServer(drafter, vocab_fingerprint(tokenizer, width), width, cfg,
                          name=f"starsd-draft:{pair.eagle or pair.draft}")
     if server.cfg.metrics_port:
         from starsd.serve.metrics import DraftServerCollector, serve_metrics
@@ -177,22 +202,28 @@ def cmd_target_server(args) -> int:
     import logging
     import signal
 
+    from starsd.star import security
+
+    cfg = C.from_args(C.PairConfig, args)  # every refusal before torch and the model load
+    draft = C.from_args(C.DraftConfig, args, prefix="draft-")
+    client_keys = C.from_args(C.ClientKeys, args)
+    serving_keys = C.from_args(C.ServingKeys, args)
+    security.check_listen(args.bind, serving_keys.serve_key, serving_keys.serve_clients, args.insecure)
+
     from starsd.models.loading import logits_width, vocab_fingerprint
     from starsd.models.pair import Pair
     from starsd.star.client import DraftClient
     from starsd.star.target_server import TargetServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    cfg = C.from_args(C.PairConfig, args)
     pair = Pair.load(cfg.target_model(), None, cfg.cache, cfg.threads)
     client = None
     if args.connect:
         client = DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)),
-                             args.name, args.timeout, keys=C.from_args(C.ClientKeys, args))
+                             args.name, args.timeout, keys=client_keys)
         client.try_hello()
-    server = TargetServer(pair, args.bind, client, C.from_args(C.DraftConfig, args, prefix="draft-"), args.name,
-                          args.served_model_name or cfg.target, insecure=args.insecure,
-                          keys=C.from_args(C.ServingKeys, args))
+    server = TargetServer(pair, args.bind, client, draft, args.name, args.served_model_name or cfg.target,
+                          insecure=args.insecure, keys=serving_keys)
     if args.metrics_port:
         from starsd.serve.metrics import TargetCollector, serve_metrics
 
@@ -237,13 +268,21 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-server", default="", metavar="ADDR",
                    help="with --target-server: the running draft server's address, for /metrics")
     p.add_argument("--no-spec", action="store_true", help="local targets decode alone (a baseline; no draft server)")
+    p.add_argument("--no-restart", action="store_true", help="a local star's draft server or target server that "
+                   "exits stays down (default: started again, with backoff, at most 5 times in 10 minutes)")
     p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting for a free target at most; "
                    "beyond it a request gets HTTP 503")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated when a request names no max_tokens")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds every target server may take to "
+                   "answer at start (local ones load their models first)")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds a target may take for one step "
                    "(its prefill included) before it is taken out of service")
-    p.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on /v1 (empty: open)")
+    p.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on /v1 (empty: open, "
+                   "allowed on a loopback --host only, unless --insecure)")
+    p.add_argument("--api-key-file", default="", help="read the API key from this file's first line instead")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key: "
+                   "anyone who reaches it can generate")
     p.add_argument("--ray", default="", metavar="ADDRESS", help="place the draft server and the target servers on "
                    "this Ray cluster (HOST:PORT or auto) as actors; needs `pip install 'starsd[ray]'`")
     p.add_argument("--ray-draft-resources", type=json.loads, default={}, metavar="JSON",
@@ -260,20 +299,22 @@ def args_serve(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args) -> int:
     from starsd.serve import launch as serve_launch
-    from starsd.serve.gateway import GatewayConfig
+    from starsd.serve.gateway import GatewayConfig, listen, read_api_key
 
+    api_key = read_api_key(args.api_key, args.api_key_file)
+    sock = listen(args.host, args.port, api_key, args.insecure)
     cfg = GatewayConfig(tuple(args.target_server), args.draft_server, args.max_queue, args.max_tokens,
-                        args.step_timeout, api_key=args.api_key, keys=C.from_args(C.GatewayKeys, args))
+                        args.step_timeout, args.start_timeout, api_key, C.from_args(C.GatewayKeys, args))
     if args.target_server:
-        return serve_launch.serve_remote(cfg, args.host, args.port)
+        return serve_launch.serve_remote(cfg, sock)
     if args.ray:
         return serve_launch.serve_ray(args.ray, C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
                                       C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg,
-                                      args.host, args.port, args.ray_draft_resources, args.ray_target_resources,
+                                      sock, args.ray_draft_resources, args.ray_target_resources,
                                       args.served_model_name)
     return serve_launch.serve_local(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
-                             C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg, args.host,
-                             args.port, spec=not args.no_spec, model_name=args.served_model_name)
+                             C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg, sock,
+                             spec=not args.no_spec, model_name=args.served_model_name, restart=not args.no_restart)
 
 
 def args_demo(p: argparse.ArgumentParser) -> None:
@@ -447,7 +488,7 @@ BENCHES = {  # name: (help, module with add_args and main)
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Every command is listed; only the one named in argv gets its flags (and imports its module)."""
     words = [a for a in argv if not a.startswith("-")][:2]
-    parser = argparse.ArgumentParser(prog="starsd", description="One-for-many speculative decoding: one draft "
+    parser = Parser(prog="starsd", description="One-for-many speculative decoding: one draft "
                                      "server, many target models.", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_, add_args, run) in COMMANDS.items():
@@ -468,13 +509,22 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A refusal (StarsdError) is one line on stderr and exit status 2; any other
+    exception is a bug and shows its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, StarsdError) as e:  # a clear message, no traceback
-        print(f"starsd: error: {e}", file=sys.stderr)
+    except StarsdError as e:
+        print(f"starsd: error: {one_line(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("starsd: interrupted", file=sys.stderr)
+        return 130
+
+
+def one_line(message: str) -> str:
+    return " ".join(message.split()) or "refused (no reason given)"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from starsd.errors import SettingError
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"  # the bundled pair (models/pinned.py)
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -60,11 +62,11 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+            raise SettingError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.quantize not in ("none", "int8"):
-            raise ValueError(f"quantize must be none or int8, not {self.quantize!r}")
+            raise SettingError(f"quantize must be none or int8, not {self.quantize!r}")
         if self.quantize == "int8" and not self.device.startswith("cpu"):
-            raise ValueError("int8 dynamic quantisation runs on the CPU only")
+            raise SettingError("int8 dynamic quantisation runs on the CPU only")
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class PairConfig:
 
     def __post_init__(self):
         if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, not {self.threads}")
+            raise SettingError(f"threads must be >= 0, not {self.threads}")
         self.target_model()  # the models' own checks, at once
         self.draft_model()
 
@@ -138,20 +140,20 @@ class DraftConfig:
 
     def __post_init__(self):
         if self.feature_bits not in (8, 16):
-            raise ValueError(f"feature_bits must be 8 or 16, not {self.feature_bits}")
+            raise SettingError(f"feature_bits must be 8 or 16, not {self.feature_bits}")
         if not 1 <= self.depth <= MAX_DRAFT_DEPTH:
-            raise ValueError(f"draft depth must be in 1..{MAX_DRAFT_DEPTH}, not {self.depth}")
+            raise SettingError(f"draft depth must be in 1..{MAX_DRAFT_DEPTH}, not {self.depth}")
         if not 1 <= self.top_k <= MAX_DRAFT_TOP_K:
-            raise ValueError(f"draft top_k must be in 1..{MAX_DRAFT_TOP_K}, not {self.top_k}")
+            raise SettingError(f"draft top_k must be in 1..{MAX_DRAFT_TOP_K}, not {self.top_k}")
         if self.total_tokens < 0:
-            raise ValueError(f"total_tokens must be >= 0, not {self.total_tokens}")
+            raise SettingError(f"total_tokens must be >= 0, not {self.total_tokens}")
         if self.max_nodes > MAX_DRAFT_NODES:
-            raise ValueError(f"a draft keeps at most {MAX_DRAFT_NODES} nodes, not {self.max_nodes} "
+            raise SettingError(f"a draft keeps at most {MAX_DRAFT_NODES} nodes, not {self.max_nodes} "
                              "(set total_tokens, or lower depth * top_k)")
         if not (math.isfinite(self.min_path_prob) and 0 <= self.min_path_prob < 1):
-            raise ValueError(f"min_path_prob must be in [0, 1), not {self.min_path_prob}")
+            raise SettingError(f"min_path_prob must be in [0, 1), not {self.min_path_prob}")
         if self.sample and self.top_k != 1:
-            raise ValueError("sampled drafts are chains: use top_k = 1 with sample")
+            raise SettingError("sampled drafts are chains: use top_k = 1 with sample")
 
     @property
     def is_chain(self) -> bool:
@@ -173,13 +175,13 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
+            raise SettingError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
+            raise SettingError(f"top_k must be >= 0, not {self.top_k}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+            raise SettingError(f"top_p must be in (0, 1], not {self.top_p}")
         if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, {MAX_SEED}], not {self.seed}")
+            raise SettingError(f"seed must be in [0, {MAX_SEED}], not {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -214,16 +216,16 @@ class ServerConfig:
 
     def __post_init__(self):
         if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be a TCP port (0: off), not {self.metrics_port}")
+            raise SettingError(f"metrics_port must be a TCP port (0: off), not {self.metrics_port}")
         for name in ("max_sessions", "max_batch", "max_context", "batch_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+                raise SettingError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not (math.isfinite(self.kv_budget_gib) and self.kv_budget_gib > 0):
-            raise ValueError(f"kv_budget_gib must be > 0, not {self.kv_budget_gib}")
+            raise SettingError(f"kv_budget_gib must be > 0, not {self.kv_budget_gib}")
         if self.queue_limit < 0:
-            raise ValueError(f"queue_limit must be >= 0, not {self.queue_limit}")
+            raise SettingError(f"queue_limit must be >= 0, not {self.queue_limit}")
         if not (math.isfinite(self.session_timeout_s) and self.session_timeout_s > 0):
-            raise ValueError(f"session_timeout_s must be > 0, not {self.session_timeout_s}")
+            raise SettingError(f"session_timeout_s must be > 0, not {self.session_timeout_s}")
 
 
 LOCAL_STAR_SKIPS = ("bind", "curve_key", "curve_clients", "insecure")  # a local star's server is on loopback

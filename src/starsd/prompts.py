@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
+from starsd.errors import SettingError
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -39,6 +41,6 @@ SETS = {"humaneval": humaneval, "chat": chat}
 
 def load(name: str, limit: int | None = None) -> list[Prompt]:
     if name not in SETS:
-        raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(SETS)}")
+        raise SettingError(f"unknown prompt set {name!r}; known: {', '.join(SETS)}")
     prompts = SETS[name]()
     return prompts[:limit] if limit else prompts

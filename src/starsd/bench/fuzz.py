@@ -42,7 +42,7 @@ from starsd.models.drafter import Drafter
 from starsd.results import bar_panels, summary, write_json
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
-from starsd.star.launch import free_port
+from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 
 VOCAB = 128

@@ -31,7 +31,7 @@ from starsd.results import Steps
 from starsd.spec.verify import verify_greedy
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
-from starsd.star.launch import read_json_line, spawn
+from starsd.star.processes import read_json_line, spawn
 
 WIDTHS = [1, 2, 3, 4, 6, 8, 11, 16]  # scored tokens per verify pass, for the measured latency profile
 

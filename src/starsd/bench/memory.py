@@ -33,7 +33,8 @@ from pathlib import Path
 from starsd import config as C
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_plot, write_json
-from starsd.star.launch import spawn, start_server, target_command
+from starsd.star.launch import start_server, target_command
+from starsd.star.processes import spawn
 
 GIB = 1 << 30
 MODES = ("target_only", "colocated", "remote_target")  # the target-side processes, in the order they run

@@ -23,7 +23,8 @@ from starsd import config as C
 from starsd.bench import harness
 from starsd.emulate import netns
 from starsd.results import Steps, line_plot, summary, write_json
-from starsd.star.launch import read_json_line, start_server
+from starsd.star.launch import start_server
+from starsd.star.processes import read_json_line
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

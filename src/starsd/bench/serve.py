@@ -22,7 +22,7 @@ from starsd import config as C
 from starsd.bench.metrics import percentile
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, panel_plot, summary, write_json
-from starsd.star.launch import free_port, read_json_line, spawn
+from starsd.star.processes import free_port, read_json_line, spawn
 
 MODES = {"target-only": ["--no-spec"], "speculative": []}
 

@@ -51,7 +51,8 @@ from starsd.bench import harness
 from starsd.results import Steps, panel_plot, summary, write_json
 from starsd.star import protocol as P
 from starsd.star.client import Heartbeat, query_stats
-from starsd.star.launch import Star, free_port, read_json_line, spawn, start_server
+from starsd.star.launch import Star, start_server
+from starsd.star.processes import free_port, read_json_line, spawn
 
 KINDS = ("server_kill", "target_kill", "slow_target", "bad_message")  # the order faults take turns in
 OWNER = "owner"  # the prober's connection that holds a session

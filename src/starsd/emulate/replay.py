@@ -30,6 +30,7 @@ from starsd.prompts import Prompt
 from starsd.spec.tree import DraftTree, depths
 from starsd.spec.verify import Verdict
 from starsd.theory.sysmodel import interpolate
+from starsd.errors import SettingError
 
 
 def _interpolate(points: dict[int, tuple[float, ...]], x: float) -> float:
@@ -51,9 +52,9 @@ class LatencyProfile:
 
     def __post_init__(self):
         if not self.verify_ms or min(self.verify_ms) < 1:
-            raise ValueError("a latency profile needs verify_ms for scored widths >= 1")
+            raise SettingError("a latency profile needs verify_ms for scored widths >= 1")
         if any(not v or min(v) <= 0 for v in [*self.verify_ms.values(), *self.prefill_ms.values()]):
-            raise ValueError("latencies must be positive")
+            raise SettingError("latencies must be positive")
 
     def mean(self, width: int) -> float:
         """Mean verify latency at `width`."""
@@ -81,14 +82,14 @@ class LatencyProfile:
         try:
             return cls(table(d["verify_ms"]), str(d.get("source", "")), table(d.get("prefill_ms", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"not a latency profile ({e!r}): expected {{\"verify_ms\": {{width: ms}}}}") from None
+            raise SettingError(f"not a latency profile ({e!r}): expected {{\"verify_ms\": {{width: ms}}}}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> LatencyProfile:
         try:
             return cls.from_json(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read a latency profile from {path}: {e}") from None
+            raise SettingError(f"cannot read a latency profile from {path}: {e}") from None
 
 
 @dataclass
@@ -114,7 +115,7 @@ class Recording:
         try:
             return cls(**json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError, TypeError) as e:
-            raise ValueError(f"cannot read a recording from {path}: {e}") from None
+            raise SettingError(f"cannot read a recording from {path}: {e}") from None
 
 
 def recording_path(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int,
@@ -179,7 +180,7 @@ def load_features(recording_file: str | Path, taps: tuple[int, ...]) -> dict[str
 
     path = features_path(recording_file, taps)
     if not path.exists():
-        raise ValueError(f"no recorded features for taps {taps} ({path}): the draft server drafts with an EAGLE "
+        raise SettingError(f"no recorded features for taps {taps} ({path}): the draft server drafts with an EAGLE "
                          "head; record them first (bench ... --eagle does)")
     return load_file(str(path))
 
@@ -241,11 +242,11 @@ class ReplayTarget:
         """Waits the target's prefill of a prompt this long."""
         pid, cont = self.by_prompt.get(tuple(prompt_ids), (None, None))
         if cont is None:
-            raise ValueError("this prompt is not in the recording")
+            raise SettingError("this prompt is not in the recording")
         seq = ReplaySequence(list(prompt_ids), cont)
         if taps is not None:
             if self.recorded is None:
-                raise ValueError("this replay target has no recorded features for an EAGLE head")
+                raise SettingError("this replay target has no recorded features for an EAGLE head")
             seq.recorded = self.recorded[pid]
             seq.features = seq.recorded[:len(prompt_ids) - 1]
         time.sleep(self.latency.prefill(len(prompt_ids)) / 1e3)

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from starsd.prompts import humaneval
 from starsd.results import bar_plot, write_json
-from starsd.star.launch import free_port, read_json_line, spawn
+from starsd.star.processes import free_port, read_json_line, spawn
 
 CHAT = "Write a Python function that checks whether a string is a palindrome. Be brief."
 

@@ -12,8 +12,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response as HttpResponse, StreamingResponse
@@ -21,10 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 
 from starsd.config import ClientKeys, GatewayKeys
-from starsd.serve.metrics import DraftServerCollector, GatewayMetrics
+from starsd.errors import SettingError, Unavailable
+from starsd.serve.metrics import DraftServerCollector, GatewayMetrics, RestartsCollector
 from starsd.serve.openai_api import ApiError, ChatRequest, CompletionRequest, Response, Tally
 from starsd.serve.pool import Overloaded, Pool, TargetFailed
+from starsd.star import security
 from starsd.star.client import query_stats
+from starsd.star.security import SecurityError
 
 log = logging.getLogger("starsd.gateway")
 TARGET_ERRORS = {"bad_request": 400, "context_length": 400, "bad_settings": 400, "busy": 503, "timeout": 504,
@@ -54,24 +60,28 @@ class Gateway:
     an idle target from the Pool (or wait, or 503), relay its Outputs whole or as SSE chunks, and
     count what happened in the metrics."""
 
-    def __init__(self, cfg: GatewayConfig):
+    def __init__(self, cfg: GatewayConfig, restarts: Callable[[], dict[str, int]] | None = None):
+        """`restarts`: a local star's restart counts by kind of process, for /metrics."""
         self.cfg = cfg
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, max_position=64)
         self.registry.register(DraftServerCollector(lambda: draft_server_snapshot(cfg.draft_server, cfg.draft_keys)))
+        if restarts:
+            self.registry.register(RestartsCollector(restarts))
         self.pool: Pool | None = None  # made inside the event loop (lifespan)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(self, app):
+    async def open(self) -> None:
+        """Wait for every target to describe itself (they may still be loading their models).
+        Raises Unavailable if one does not answer in time."""
         self.pool = Pool(list(self.cfg.targets), self.cfg.max_queue, self.cfg.step_timeout_s, self.cfg.keys)
-        await self.pool.start(self.cfg.start_timeout_s)
+        try:
+            await self.pool.start(self.cfg.start_timeout_s)
+        except TargetFailed as e:
+            self.pool.close()
+            raise Unavailable(f"{e}: is a target server running there, with keys this gateway has?") from None
         self.metrics.running.set_function(lambda: self.pool.running)
         self.metrics.waiting.set_function(lambda: self.pool.waiting)
         log.info("gateway: %d targets serving %s", len(self.pool.links), ", ".join(self.pool.models))
-        try:
-            yield
-        finally:
-            self.pool.close()
 
     async def api_error(self, request: Request, e: ApiError):
         outcome = "rejected" if e.status == 503 else "invalid" if e.status < 500 else "error"
@@ -111,6 +121,9 @@ class Gateway:
             generate = req.generate(self.pool.new_id(), self.cfg.default_max_tokens)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        if generate.max_tokens > self.pool.max_tokens:  # what a target would refuse, refused before it is sent
+            raise ApiError(400, f"max_tokens is {generate.max_tokens}, more than the {self.pool.max_tokens} tokens "
+                                "a target generates for one request", "max_tokens")
         try:
             link, waited = await self.pool.acquire()
         except Overloaded as e:
@@ -126,8 +139,8 @@ class Gateway:
     async def _parse(self, request: Request, kind):
         try:
             body = await request.json()
-        except json.JSONDecodeError as e:
-            raise ApiError(400, f"the body is not JSON: {e}") from None
+        except ValueError as e:  # not JSON, or not UTF-8 (UnicodeDecodeError)
+            raise ApiError(400, f"the body is not JSON in UTF-8: {e}") from None
         try:
             req = kind.model_validate(body)
         except ValidationError as e:
@@ -196,9 +209,8 @@ class Gateway:
                 self.metrics.requests.labels("aborted").inc()
 
 
-def make_app(cfg: GatewayConfig) -> FastAPI:
-    gateway = Gateway(cfg)
-    app = FastAPI(title="StarSD", lifespan=gateway.lifespan)
+def make_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="StarSD")
     app.add_exception_handler(ApiError, gateway.api_error)
     app.middleware("http")(gateway.authorize)
     app.add_api_route("/health", gateway.health, methods=["GET"])
@@ -218,29 +230,64 @@ def target_error(e: TargetFailed) -> ApiError:
     return ApiError(status, str(e), kind="invalid_request_error" if status == 400 else "server_error", code=e.code)
 
 
-def run(cfg: GatewayConfig, host: str, port: int, on_ready=None) -> None:
-    """Serve until SIGINT or SIGTERM, then return. uvicorn shuts down gracefully on either and then
-    raises the signal again with the handler it found: that one is made a no-op, so the caller's
-    cleanup runs and the process exits 0."""
+def listen(host: str, port: int, api_key: str, insecure: bool = False) -> socket.socket:
+    """The gateway's HTTP socket, bound before anything else starts, so that a taken port or an open
+    host without a key is refused at once rather than after the star has loaded its models. Like the
+    star's own sockets (star/security.py), a non-loopback host needs an API key, or `insecure`."""
+    if not (api_key or insecure or security.is_loopback_host(host)):
+        raise SecurityError(f"--host {host} opens the OpenAI endpoint beyond this machine: give an --api-key (or "
+                            "--api-key-file) that clients must send, or pass --insecure to serve it open")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise Unavailable(f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()}; "
+                          "choose another --host or --port") from None
+    return sock  # listening starts when the gateway serves: until then, connections are refused
+
+
+def read_api_key(api_key: str, api_key_file: str) -> str:
+    """--api-key, or the first line of --api-key-file (a key kept out of the process list)."""
+    if api_key and api_key_file:
+        raise SettingError("give --api-key or --api-key-file, not both")
+    if not api_key_file:
+        return api_key
+    try:
+        key = Path(api_key_file).read_text().strip()
+    except OSError as e:
+        raise SettingError(f"cannot read the API key file {api_key_file}: {e.strerror}") from None
+    if not key:
+        raise SettingError(f"the API key file {api_key_file} is empty")
+    return key
+
+
+def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None) -> None:
+    """Serve on `sock` (from listen) until SIGINT or SIGTERM, then return: first every target must
+    describe itself, then uvicorn serves. uvicorn shuts down gracefully on either signal and then
+    raises it again with the handler it found: that one is made a no-op, so the caller's cleanup
+    runs and the process exits 0."""
     import signal
 
     import uvicorn
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-
-    config = uvicorn.Config(make_app(cfg), host=host, port=port, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    if on_ready is None:
-        server.run()
-        return
+    gateway = Gateway(cfg, restarts)
 
     async def main():
-        task = asyncio.create_task(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            on_ready()
-        await task
+        await gateway.open()
+        server = uvicorn.Server(uvicorn.Config(make_app(gateway), log_level="warning", lifespan="off"))
+        try:
+            task = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started and on_ready:
+                on_ready()
+            await task
+        finally:
+            gateway.pool.close()
 
     asyncio.run(main())

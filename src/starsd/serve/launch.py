@@ -2,19 +2,24 @@
 
 Local: a draft server and N target servers start as child processes on free loopback ports (they
 die with this process), then the gateway serves on HOST:PORT until SIGINT or SIGTERM, and stops
-them. Ray: the same processes, placed on the cluster's nodes as actors (star/ray_cluster.py).
+them; meanwhile one that exits is started again at its address (star/supervise.py). Ray: the same processes, placed on the cluster's nodes as actors (star/ray_cluster.py).
 Remote: the gateway alone, in front of target servers (and a draft server) started elsewhere.
+In each case the gateway's socket is bound first (gateway.listen), so a refusal comes before any
+model loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import sys
 
 from starsd.config import DraftConfig, PairConfig, ServerConfig
 from starsd.serve import gateway
-from starsd.star.launch import Star, free_port, read_json_line, spawn, start_server, target_server_command
+from starsd.star.launch import Star, check_models, start_server, target_server_command
+from starsd.star.processes import free_port, read_json_line, spawn
+from starsd.star.supervise import Supervisor
 
 
 def start_targets(star: Star, pair: PairConfig, draft: DraftConfig, n: int, spec: bool, model_name: str = "",
@@ -31,7 +36,9 @@ def start_targets(star: Star, pair: PairConfig, draft: DraftConfig, n: int, spec
 
 
 def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int, cfg: gateway.GatewayConfig,
-                host: str, port: int, spec: bool = True, model_name: str = "") -> int:
+                sock: socket.socket, spec: bool = True, model_name: str = "", restart: bool = True) -> int:
+    """`restart`: a draft server or target server that exits is started again (star/supervise.py)."""
+    check_models(pair)
     server = dataclasses.replace(server, metrics_port=server.metrics_port or free_port())
     star = start_server(pair, server) if spec else Star(None, "")
     try:
@@ -44,13 +51,17 @@ def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: i
         metrics = {"targets": [f"http://127.0.0.1:{p}/metrics" for p in ports]}
         if spec:
             metrics["draft_server"] = f"http://127.0.0.1:{server.metrics_port}/metrics"
-        return serve_remote(cfg, host, port, metrics)
+        restarts = None
+        if restart:
+            star.supervise(Supervisor())
+            restarts = star.supervisor.counts
+        return serve_remote(cfg, sock, metrics, restarts)
     finally:
         star.close()
 
 
 def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
-              cfg: gateway.GatewayConfig, host: str, port: int, draft_resources: dict, target_resources: dict,
+              cfg: gateway.GatewayConfig, sock: socket.socket, draft_resources: dict, target_resources: dict,
               model_name: str = "") -> int:
     from starsd.star.ray_cluster import RayStar
 
@@ -60,18 +71,23 @@ def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: Draft
     try:
         cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address,
                                   keys=star.keys.gateway, draft_keys=star.keys.draft_stats)
-        return serve_remote(cfg, host, port)
+        return serve_remote(cfg, sock)
     finally:
         star.close()
 
 
-def serve_remote(cfg: gateway.GatewayConfig, host: str, port: int, metrics: dict | None = None) -> int:
-    """The gateway alone; `metrics`: the star's own metrics endpoints, announced in the ready line."""
+def serve_remote(cfg: gateway.GatewayConfig, sock: socket.socket, metrics: dict | None = None,
+                 restarts=None) -> int:
+    """The gateway alone, on `sock` (gateway.listen); `metrics`: the star's own metrics endpoints,
+    announced in the ready line; `restarts`: a local star's restart counts, for /metrics."""
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+
     def ready():
         print(json.dumps({"ready": f"http://{host}:{port}", "targets": list(cfg.targets),
                           "draft_server": cfg.draft_server, "metrics": metrics or {}}), flush=True)
         print(f"serving the star on http://{host}:{port}/v1 ({len(cfg.targets)} targets); Ctrl-C stops it",
               file=sys.stderr, flush=True)
 
-    gateway.run(cfg, host, port, on_ready=ready)
+    gateway.run(cfg, sock, on_ready=ready, restarts=restarts)
     return 0

@@ -126,6 +126,23 @@ class TargetCollector:
         yield running
 
 
+class RestartsCollector:
+    """How often a local star started each kind of its processes again (star.supervise.Supervisor)."""
+
+    KINDS = ("draft-server", "target-server")
+
+    def __init__(self, restarts: Callable[[], dict[str, int]]):
+        self.restarts = restarts
+
+    def collect(self):
+        counts = self.restarts()
+        family = CounterMetricFamily("starsd:process_restarts", "processes of the local star started again after "
+                                     "they exited", labels=["process"])
+        for kind in self.KINDS:
+            family.add_metric([kind], counts.get(kind, 0))
+        yield family
+
+
 def serve_metrics(port: int, collector) -> None:
     """Serve one collector's metrics at http://0.0.0.0:PORT/metrics (a daemon thread)."""
     from prometheus_client import start_http_server

@@ -8,12 +8,15 @@ the stream is over, so a target never holds two streams.
 A target whose connection drops (its process died: the socket monitor reports the disconnect) is
 taken out of service at once, and the stream it held fails with `target_lost`; when a target
 server answers at the address again, it describes itself and rejoins the pool. A target that is
-connected but sends nothing for step_timeout_s is taken out of service for good.
+connected but sends nothing for step_timeout_s fails its stream (`timeout`), is taken out of
+service and asked whether it is alive, with backoff: it rejoins as soon as it answers and holds no
+stream. A refusal names the stream it refuses, so it ends that stream and nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -54,7 +57,9 @@ class TargetLink:
         self.sock.connect(address)
         self.info: P.TargetInfo | None = None
         self.streams: dict[int, asyncio.Queue] = {}
-        self.lost = False  # the connection dropped and has not come back
+        self.lost = False  # the connection dropped, or the reader stopped, and no Describe has been answered since
+        self._closed = False
+        self._on_change = None
         self._described: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -62,18 +67,27 @@ class TargetLink:
 
     async def describe(self, timeout_s: float) -> P.TargetInfo:
         """Ask the target who it is (it may still be loading its model: the message waits for it)."""
-        if self._reader is None:
+        if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read())
+            self._reader.add_done_callback(self._reader_ended)
         self._described = asyncio.get_running_loop().create_future()
         await self.send(P.Describe())
         try:
             self.info = await asyncio.wait_for(self._described, timeout_s)
         except asyncio.TimeoutError:
-            raise TargetFailed("timeout", f"target {self.address} did not answer within {timeout_s:.0f} s") from None
+            raise TargetFailed("timeout", f"target {self.address} did not answer within {timeout_s:g} s") from None
+        self.lost = False
         return self.info
 
     async def send(self, msg) -> None:
         await self.sock.send_multipart(P.encode(msg))
+
+    def tell(self, msg) -> None:
+        """Send if it can go at once, else drop: for a target that may be gone (nothing waits on it)."""
+        try:
+            self.sock.send_multipart(P.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     async def _read(self) -> None:
         while True:
@@ -91,25 +105,47 @@ class TargetLink:
                 if queue is not None:
                     queue.put_nowait(msg)
 
+    def _reader_ended(self, task: asyncio.Task) -> None:
+        """The reader stopped while the link is open (an error in it, or it was cancelled): its
+        streams would wait for Outputs nobody reads. They fail now, and the link is lost until a
+        Describe (the pool's revival) starts a new reader and is answered."""
+        if self._closed:
+            return
+        error = None if task.cancelled() else task.exception()
+        log.error("the reader of target %s at %s stopped (%r)", self.name, self.address, error)
+        self._lose("the gateway stopped reading it")
+
+    def _lose(self, why: str) -> None:
+        """Fail every stream on this link (`target_lost`) and tell the pool it is out of service."""
+        if self.lost:
+            return
+        self.lost = True
+        for stream_id, queue in self.streams.items():
+            queue.put_nowait(P.Error("target_lost", f"target {self.name} went away mid-stream: {why}", stream_id))
+        if self._on_change:
+            self._on_change(self, False)
+
+    @property
+    def name(self) -> str:
+        return self.info.name if self.info else self.address
+
     def watch(self, on_change) -> None:
         """Call on_change(self, up) when the connection drops (up False) and when a target server
         completes a handshake at the address after a drop (up True)."""
+        self._on_change = on_change
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._watcher = asyncio.create_task(self._watch(on_change))
 
     async def _watch(self, on_change) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_DISCONNECTED and not self.lost:
-                self.lost = True
-                for stream_id, queue in self.streams.items():
-                    queue.put_nowait(P.Error("target_lost", f"target {self.info.name} went away mid-stream", stream_id))
-                on_change(self, False)
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lose("its connection dropped")
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.lost:
-                self.lost = False
                 on_change(self, True)
 
     def close(self) -> None:
+        self._closed = True
         for task in (self._reader, self._watcher):
             if task:
                 task.cancel()
@@ -119,30 +155,82 @@ class TargetLink:
         self.sock.close(0)
 
 
+class IdleTargets:
+    """The targets that hold no stream, each at most once, oldest first, and the requests waiting
+    for one, first come first served."""
+
+    def __init__(self):
+        self._links: dict[TargetLink, None] = {}  # an ordered set
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def put(self, link: TargetLink) -> None:
+        """`link` takes a request: the oldest waiting one, else it waits here (once, however often it is put)."""
+        if link in self._links:
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(link)
+                return
+        self._links[link] = None
+
+    def discard(self, link: TargetLink) -> None:
+        self._links.pop(link, None)
+
+    async def get(self) -> TargetLink:
+        if self._links:
+            link = next(iter(self._links))
+            del self._links[link]
+            return link
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a target just as the request left
+                self.put(waiter.result())
+            raise
+
+
 class Pool:
+    REVIVE_MAX_S = 60.0  # the longest wait for an answer from a target out of service
+    BUSY_POLL_S = 0.5  # between questions to one that answers but still ends a stream
+
     def __init__(self, addresses: list[str], max_queue: int, step_timeout_s: float, keys: GatewayKeys = GatewayKeys()):
         self.ctx = zmq.asyncio.Context()
         self.links = [TargetLink(self.ctx, a, keys) for a in addresses]
         self.max_queue = max_queue
         self.step_timeout_s = step_timeout_s  # longest wait for a target's next Output (a prefill included)
-        self.idle: asyncio.Queue[TargetLink] = asyncio.Queue()
+        self.idle = IdleTargets()
         self.waiting = 0
         self.running = 0
-        self.failed: list[TargetLink] = []
+        self.failed: list[TargetLink] = []  # out of service: lost, or silent past a step deadline
+        self._reviving: dict[TargetLink, asyncio.Task] = {}
         self._ids = itertools.count(1)
 
     async def start(self, timeout_s: float) -> None:
         """Wait until every target has described itself; they then all take requests."""
         await asyncio.gather(*(link.describe(timeout_s) for link in self.links))
         for link in self.links:
-            self.idle.put_nowait(link)
+            self.idle.put(link)
             link.watch(self._changed)
 
     @property
     def models(self) -> list[str]:
         return sorted({link.info.model for link in self.links if link.info})
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a request may ask for: what every target takes (its limit, and its context
+        less one prompt token), so a request no target would refuse for its size alone."""
+        return min(min(link.info.max_tokens, link.info.max_context - 1) for link in self.links if link.info)
+
     def close(self) -> None:
+        for task in self._reviving.values():
+            task.cancel()
         for link in self.links:
             link.close()
         self.ctx.term()
@@ -150,16 +238,15 @@ class Pool:
     async def acquire(self) -> tuple[TargetLink, float]:
         """An idle target and the seconds waited for it. Raises Overloaded."""
         if len(self.failed) == len(self.links):
-            raise Overloaded(f"no target is in service (all {len(self.links)} stopped answering)")
-        if self.idle.empty() and self.waiting >= self.max_queue:
+            raise Overloaded(f"no target is in service (all {len(self.links)} stopped answering; they are asked "
+                             "again and rejoin when they answer)")
+        if not len(self.idle) and self.waiting >= self.max_queue:
             raise Overloaded(f"all {len(self.links) - len(self.failed)} targets are busy and {self.waiting} "
                              f"requests are waiting (--max-queue {self.max_queue}); retry later")
         t0 = time.perf_counter()
         self.waiting += 1
         try:
             link = await self.idle.get()
-            while link in self.failed:  # it went out of service while idle
-                link = await self.idle.get()
         finally:
             self.waiting -= 1
         return link, time.perf_counter() - t0
@@ -186,6 +273,9 @@ class Pool:
                 self._release(link, request.id)
             elif link not in self.failed:  # the consumer left early: cancel, and wait for the end in the background
                 asyncio.get_running_loop().create_task(self._cancel(link, request.id, queue))
+            else:  # it failed mid-stream: if it is alive, it ends the stream and is then idle again
+                link.streams.pop(request.id, None)
+                link.tell(P.Cancel(request.id))
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -194,45 +284,64 @@ class Pool:
         try:
             return await asyncio.wait_for(queue.get(), self.step_timeout_s)
         except asyncio.TimeoutError:
-            self._fail(link)
-            raise TargetFailed("timeout", f"target {link.info.name} sent nothing for {self.step_timeout_s:.0f} s; "
-                                          "it is taken out of service") from None
+            log.error("target %s at %s sent nothing for %.0f s: out of service until it answers", link.name,
+                      link.address, self.step_timeout_s)
+            self._out_of_service(link)
+            self._revive(link)
+            raise TargetFailed("timeout", f"target {link.name} sent nothing for {self.step_timeout_s:g} s; it is "
+                                          "out of service until it answers again") from None
 
     async def _cancel(self, link: TargetLink, stream_id: int, queue: asyncio.Queue) -> None:
-        await link.send(P.Cancel(stream_id))
         try:
+            await link.send(P.Cancel(stream_id))
             while True:
                 msg = await self._next(link, queue)
                 if isinstance(msg, P.Error) or msg.finish:
                     break
-        except TargetFailed:
+        except (TargetFailed, zmq.ZMQError):  # out of service meanwhile, or the gateway is closing
+            link.streams.pop(stream_id, None)
             return
         self._release(link, stream_id)
 
     def _release(self, link: TargetLink, stream_id: int) -> None:
         link.streams.pop(stream_id, None)
         if link not in self.failed:
-            self.idle.put_nowait(link)
+            self.idle.put(link)
 
-    def _fail(self, link: TargetLink) -> None:
+    def _out_of_service(self, link: TargetLink) -> None:
         if link not in self.failed:
-            log.error("target %s at %s stopped answering: out of service", link.info.name, link.address)
             self.failed.append(link)
+        self.idle.discard(link)
 
     def _changed(self, link: TargetLink, up: bool) -> None:
+        """The link was lost (its connection dropped, or its reader stopped), or a target server has
+        connected at its address again: either way it is asked until it answers."""
         if not up:
-            log.error("target %s at %s disconnected: out of service until it is back", link.info.name, link.address)
-            if link not in self.failed:
-                self.failed.append(link)
-        else:
-            asyncio.get_running_loop().create_task(self._rejoin(link))
+            log.error("target %s at %s is lost: out of service until it answers again", link.name, link.address)
+            self._out_of_service(link)
+        self._revive(link)
 
-    async def _rejoin(self, link: TargetLink) -> None:
+    def _revive(self, link: TargetLink) -> None:
+        """Ask `link` whether it is alive, with backoff, until it answers holding no stream; then it rejoins."""
+        if link not in self._reviving:
+            self._reviving[link] = asyncio.get_running_loop().create_task(self._ask(link))
+
+    async def _ask(self, link: TargetLink) -> None:
+        """A target that does not answer is asked again after twice as long each time; one that answers
+        while it still ends a stream (told to cancel it), every BUSY_POLL_S."""
+        wait = 1.0
         try:
-            await link.describe(timeout_s=60)
-        except TargetFailed:
-            return
-        if link in self.failed and not link.lost:
-            self.failed.remove(link)
-            self.idle.put_nowait(link)
-            log.info("target %s at %s is back in service", link.info.name, link.address)
+            while link in self.failed:
+                try:
+                    info = await link.describe(timeout_s=wait)
+                except TargetFailed:
+                    wait = min(2 * wait, self.REVIVE_MAX_S)
+                    continue
+                if not info.busy:
+                    self.failed.remove(link)
+                    self.idle.put(link)
+                    log.info("target %s at %s is back in service", link.name, link.address)
+                    return
+                await asyncio.sleep(self.BUSY_POLL_S)
+        finally:
+            self._reviving.pop(link, None)

@@ -28,6 +28,7 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.spec.depth import DepthPolicy
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import Verdict, make_generator, next_token, verify
+from starsd.errors import SettingError
 
 
 @dataclass
@@ -65,7 +66,7 @@ def clip(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[list[
 
 def require_prompt(prompt_ids: list[int]) -> None:
     if not prompt_ids:
-        raise ValueError("empty prompt: at least one token is needed to condition on")
+        raise SettingError("empty prompt: at least one token is needed to condition on")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Start a local star: one draft server and N target workers as separate processes on this machine.
+"""Start a local star: one draft server and N target workers as separate processes on this machine
+(star/processes.py starts each; star/supervise.py can keep them running).
 
 The launcher feeds each target its share of the prompts, starts their decoding at the same moment,
 collects their JSON, prints per-target and system throughput, and shuts everything down, also on
@@ -7,61 +8,26 @@ Ctrl-C or SIGTERM: children die with the launcher (PR_SET_PDEATHSIG), so none is
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 from starsd.config import DRAFT_SIDE, DraftConfig, PairConfig, ServerConfig, to_flags
+from starsd.errors import SettingError, Unavailable
+from starsd.models import pinned
+from starsd.prompts import load as load_prompts
 from starsd.results import bar_plot, write_json
 from starsd.results import summary as print_summary  # `summary` is the launch's figures here
 from starsd.star.client import DraftClient
+from starsd.star.processes import describe, free_port, read_json_line, spawn
 from starsd.star.stats import busy_fraction
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, however it dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def spawn(args: list[str], prefix: list[str] = (), stderr=None, env: dict | None = None) -> subprocess.Popen:
-    """`starsd ARGS` as a child; `prefix` runs it through a wrapper (e.g. `ip netns exec NS`).
-    Its stderr is the launcher's unless given (a file); loading progress bars of several children
-    would only garble it. `env`: its environment (default: this one's)."""
-    env = {**(os.environ if env is None else env), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    return subprocess.Popen([*prefix, sys.executable, "-m", "starsd.cli", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=_die_with_parent, env=env)
-
-
-def read_json_line(proc: subprocess.Popen, key: str, timeout_s: float) -> dict:
-    """Wait for the child's first stdout JSON line holding `key` (e.g. its ready signal)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"process {proc.args[3:5]} exited with {proc.wait()} before it was ready")
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if key in obj:
-            return obj
-    raise RuntimeError(f"process {proc.args[3:5]} not ready within {timeout_s:.0f} s")
+from starsd.star.supervise import Supervisor
 
 
 @dataclass
@@ -71,9 +37,21 @@ class Star:
     server: subprocess.Popen | None  # None: targets that decode alone
     address: str
     targets: list[subprocess.Popen] = field(default_factory=list)
+    supervisor: Supervisor | None = None  # starts again whichever of them exits (supervise)
+
+    def supervise(self, supervisor: Supervisor) -> None:
+        """From now on every process of the star that exits is started again, until close()."""
+        if self.server is not None:
+            supervisor.watch("draft-server", "draft-server", self.server)
+        for i, proc in enumerate(self.targets):
+            supervisor.watch(f"target-{i}", "target-server", proc)
+        self.supervisor = supervisor
+        supervisor.start()
 
     def close(self) -> None:
-        procs = [p for p in (*self.targets, self.server) if p is not None]
+        if self.supervisor:
+            self.supervisor.halt()  # no process is started again from here on
+        procs = self.supervisor.procs() if self.supervisor else [p for p in (*self.targets, self.server) if p]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -84,6 +62,8 @@ class Star:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.supervisor:
+            self.supervisor.join()
 
 
 def server_command(pair: PairConfig, server: ServerConfig) -> list[str]:
@@ -98,6 +78,22 @@ def target_server_command(pair: PairConfig, draft: DraftConfig, name: str, bind:
             *to_flags(draft, prefix="draft-"), "--served-model-name", model_name or pair.target,
             "--metrics-port", str(metrics_port), *(["--insecure"] if insecure else [])]
     return args + ["--connect", connect] if connect else args
+
+
+def check_models(pair: PairConfig) -> None:
+    """Before a local star starts its children: fetch the pinned models once (not once per child),
+    and refuse a model that is neither pinned, nor a directory, nor a hub id, in one line here
+    rather than once in every child."""
+    names = [pair.target, pair.draft, *([pair.eagle] if pair.eagle else [])]
+    for name in names:
+        if name in pinned.PINNED:
+            pinned.fetch(name, pair.cache, log=lambda m: print(m, file=sys.stderr))
+        elif not os.path.isdir(name) and not HUB_ID.fullmatch(name):
+            raise SettingError(f"model {name!r} is not a pinned name ({', '.join(pinned.PINNED)}), a local model "
+                               "directory, or a hub id")
+
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
 def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,
@@ -131,7 +127,7 @@ def run_targets(star: Star, n: int, target_args: list[str], num_prompts: int) ->
     for t in star.targets:
         out, _ = t.communicate()
         if t.returncode != 0:
-            raise RuntimeError(f"{t.args[3:5]} failed with exit code {t.returncode}")
+            raise Unavailable(f"{describe(t)} failed with exit status {t.returncode} (its own error is above)")
         results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     for r in results:
         r["go"] = go
@@ -166,6 +162,8 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
     and system throughput, writes JSON and a bar plot; 130 when interrupted (Ctrl-C, SIGTERM)."""
     target_args = [*target_command(pair)[1:], "--prompts", prompt_set, "--max-new-tokens", str(max_new_tokens),
                    *target_extra]
+    load_prompts(prompt_set)  # an unknown set is refused here, not in every target
+    check_models(pair)
     star = None
 
     def on_term(signum, frame):

@@ -172,6 +172,7 @@ class TargetInfo(msgspec.Struct, array_like=True, frozen=True):
     max_context: int  # prompt + generated tokens one stream may hold
     speculative: bool  # drafts through a draft server (False: decodes alone)
     busy: bool  # a stream is running now
+    max_tokens: int = MAX_TOKENS_PER_REQUEST  # tokens one Generate may ask for; a gateway checks it before sending
 
 
 class Message(msgspec.Struct, array_like=True, frozen=True):
@@ -274,6 +275,25 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
     tensors = tuple(_tensor(s, f) for s, f in zip(tensor_specs, frames[1:]))
     validate(msg, tensors)
     return msg, tensors
+
+
+class _Named(msgspec.Struct, array_like=True):
+    id: int  # the first field of a Generate and of a Cancel; the rest of the header is skipped
+
+
+_NAMED = msgspec.msgpack.Decoder(_Named)
+
+
+def request_id(frames: list) -> int:
+    """The id of the Generate or Cancel in `frames`, read as leniently as possible, so that an Error
+    refusing a malformed one names the request it refuses; 0 where none can be read."""
+    head = _bytes(frames[0]) if frames else b""
+    if len(head) < 2 or head[0] not in (MsgType.GENERATE, MsgType.CANCEL):
+        return 0
+    try:
+        return _NAMED.decode(memoryview(head)[1:]).id
+    except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
+        return 0
 
 
 def _validation_code(kind: MsgType, error: msgspec.ValidationError) -> str:

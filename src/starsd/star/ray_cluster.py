@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 
 from starsd.config import ClientKeys, DraftConfig, GatewayKeys, PairConfig, ServerConfig, ServingKeys, to_flags
-from starsd.star.launch import free_port, read_json_line, server_command, spawn, target_server_command
+from starsd.errors import StarsdError, Unavailable
+from starsd.star.launch import server_command, target_server_command
+from starsd.star.processes import free_port, read_json_line, spawn
 from starsd.star.security import make_keys
 
 
@@ -77,7 +79,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise RuntimeError("Ray is not installed: pip install 'starsd[ray]'") from None
+        raise StarsdError("Ray is not installed: pip install 'starsd[ray]'") from None
     return ray
 
 
@@ -131,7 +133,10 @@ class RayStar:
     def start(cls, address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
               draft_resources: dict[str, float], target_resources: dict[str, float], model_name: str = "") -> "RayStar":
         ray = _ray()
-        ray.init(address=address, log_to_driver=False)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            raise Unavailable(f"no Ray cluster answers at {address}: {e}") from None
         actor = ray.remote(StarProcess)
         keys = StarKeys()
         draft_actor = actor.options(**_options(draft_resources)).remote()

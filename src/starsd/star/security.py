@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from starsd.errors import StarsdError
+from starsd.errors import StarsdError, Unavailable
 
 
 class SecurityError(StarsdError, ValueError):
@@ -42,13 +43,51 @@ def is_loopback(address: str) -> bool:
     scheme, _, rest = address.partition("://")
     if scheme in ("ipc", "inproc"):
         return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
+    return is_loopback_host(rest.rsplit(":", 1)[0])
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or IP address (an HTTP server's --host) is reachable from this machine only."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface name or a host name: could be reachable from anywhere
+    except ValueError:  # "*", "", an interface name or a host name: could be reachable from anywhere
         return False
+
+
+def check_listen(bind: str, key: str = "", allowed: str = "", insecure: bool = False) -> None:
+    """Refuse, before any model is loaded, what binding `bind` would refuse later: an address that
+    may not be opened without keys, keys that cannot be read, a TCP port that is taken."""
+    _check_keys(bind, key, allowed, insecure)
+    if key:
+        _load(key, secret=True)
+    scheme, _, rest = bind.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not port.isdigit() or port == "0":
+        return  # ipc, inproc, or a port ZeroMQ picks: nothing to take
+    host = "" if host == "*" else host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ does: TIME_WAIT is no owner
+            probe.bind((host, int(port)))
+    except socket.gaierror:
+        return  # an interface name (tcp://eth0:5555): ZeroMQ resolves it, and refuses it if it must
+    except OSError as e:
+        raise Unavailable(f"cannot listen on {bind}: {e.strerror.lower()}; choose another address or port") from None
+
+
+def _check_keys(bind: str, key: str, allowed: str, insecure: bool) -> None:
+    if not key:
+        if allowed:
+            raise SecurityError("allowed client keys were given without the server's own secret key")
+        if not (insecure or is_loopback(bind)):
+            raise SecurityError(f"{bind} is not a loopback address: give the server a key pair and the allowed "
+                                "client keys (starsd keys), or pass --insecure to listen without authentication")
+    elif not allowed or not Path(allowed).is_dir():
+        raise SecurityError(f"a directory of allowed client public keys is needed with a server key, not {allowed!r}")
 
 
 def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
@@ -66,15 +105,9 @@ def guard_server(ctx: zmq.Context, sock: zmq.Socket, bind: str, key: str = "", a
     """Set up `sock` (before it binds `bind`): CURVE with the secret `key` and the public keys in the
     directory `allowed`, or no keys on a loopback address (or with `insecure`). Returns the running
     authenticator, to be stopped before the context is closed."""
+    _check_keys(bind, key, allowed, insecure)
     if not key:
-        if allowed:
-            raise SecurityError("allowed client keys were given without the server's own secret key")
-        if not (insecure or is_loopback(bind)):
-            raise SecurityError(f"{bind} is not a loopback address: give the server a key pair and the allowed "
-                                "client keys (starsd keys), or pass --insecure to listen without authentication")
         return None
-    if not allowed or not Path(allowed).is_dir():
-        raise SecurityError(f"a directory of allowed client public keys is needed with a server key, not {allowed!r}")
     public, secret = _load(key, secret=True)
     auth = ThreadAuthenticator(ctx)
     auth.start()

@@ -101,7 +101,7 @@ class DraftServer:
         t.start()
         bound.wait()
         if failure:
-            raise RuntimeError(str(failure[0]))
+            raise failure[0]
         return t
 
     def stop(self) -> None:

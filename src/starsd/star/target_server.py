@@ -17,6 +17,7 @@ import time
 import zmq
 
 from starsd.config import DraftConfig, ServingKeys
+from starsd.errors import Unavailable
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative_steps, target_only_steps
 from starsd.spec.depth import DepthPolicy
@@ -54,7 +55,7 @@ class TargetServer:
         self._auth = None  # the ZAP authenticator, with keys
 
     def serve(self, on_ready=None) -> None:
-        """Run until stop(). Raises RuntimeError if the address cannot be bound."""
+        """Run until stop(). Raises a StarsdError if the address cannot be bound."""
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
@@ -62,8 +63,8 @@ class TargetServer:
             self._auth = security.guard_server(self.ctx, self.sock, self.bind, self.keys.serve_key,
                                                self.keys.serve_clients, self.insecure)
             self.sock.bind(self.bind)
-        except (zmq.ZMQError, security.SecurityError) as e:
-            raise RuntimeError(f"cannot bind {self.bind}: {e}") from None
+        except zmq.ZMQError as e:
+            raise Unavailable(f"cannot bind {self.bind}: {e}") from None
         if on_ready:
             on_ready()
         log.info("target server %s (%s) listening on %s", self.name, self.model, self.bind)
@@ -101,8 +102,8 @@ class TargetServer:
         peer, *frames = self.sock.recv_multipart(copy=False)
         try:
             msg, _ = P.decode(frames)
-        except P.ProtocolError as e:
-            self._send(peer.bytes, P.Error(e.code, str(e)))
+        except P.ProtocolError as e:  # named by the request's id where it can be read: its stream ends, not the link
+            self._send(peer.bytes, P.Error(e.code, str(e), P.request_id(frames)))
             return peer.bytes, None
         return peer.bytes, msg
 

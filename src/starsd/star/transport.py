@@ -21,6 +21,7 @@ from typing import Callable
 import zmq
 
 from starsd.config import ServerConfig
+from starsd.errors import StarsdError, Unavailable
 from starsd.star import protocol as P
 from starsd.star import security
 from starsd.star.stats import ServerStats
@@ -53,17 +54,20 @@ class Transport:
         self.ctx = zmq.Context()
         self.stopping = threading.Event()
         self._ready = threading.Event()
-        self._failure: str | None = None
+        self._failure: StarsdError | None = None
         self._auth = None  # the CURVE authenticator's thread, when the server has keys
         self._outbox_addr = f"inproc://outbox-{id(self)}"
         self._thread = threading.Thread(target=self._run, name="starsd-io", daemon=True)
 
     def start(self) -> None:
-        """Bind and start the IO thread; raises RuntimeError if the address cannot be bound."""
+        """Bind and start the IO thread; raises a StarsdError if the address cannot be bound."""
         self._thread.start()
         self._ready.wait()
         if self._failure:
-            raise RuntimeError(self._failure)
+            if self._auth:
+                self._auth.stop()
+            self.ctx.term()
+            raise self._failure
 
     def outbox(self) -> Outbox:
         """A way for the calling thread (the compute loop) to send replies."""
@@ -78,6 +82,7 @@ class Transport:
         self.ctx.term()
 
     def _run(self) -> None:
+        router = inbox = None
         try:
             router = self.ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
@@ -88,7 +93,11 @@ class Transport:
             inbox = self.ctx.socket(zmq.PULL)
             inbox.bind(self._outbox_addr)
         except (zmq.ZMQError, security.SecurityError) as e:
-            self._failure = f"cannot bind {self.bind}: {e}"
+            for sock in (router, inbox):  # an open socket would hang the context's term(), even from the GC
+                if sock is not None:
+                    sock.close(0)
+            failure = e if isinstance(e, StarsdError) else Unavailable(f"cannot bind {self.bind}: {e}")
+            self._failure = failure.with_traceback(None)  # this thread's frames are not kept alive by it
             self.stopping.set()
             self._ready.set()
             return

@@ -31,6 +31,7 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 
+from starsd.errors import SettingError
 from starsd.results import write_json
 from starsd.theory import sysmodel
 from starsd.theory.sysmodel import Profile
@@ -163,11 +164,11 @@ def _latency(windows: list[_Window]) -> tuple[float, float, float, float]:
 
 def _check(n: int, servers: int, duration_s: float | None, warmup_s: float | None) -> None:
     if n < 1 or servers < 1:
-        raise ValueError(f"need at least one target and one draft server (got n={n}, servers={servers})")
+        raise SettingError(f"need at least one target and one draft server (got n={n}, servers={servers})")
     if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
-        raise ValueError(f"duration_s must be positive (got {duration_s})")
+        raise SettingError(f"duration_s must be positive (got {duration_s})")
     if warmup_s is not None and not (warmup_s >= 0 and math.isfinite(warmup_s)):
-        raise ValueError(f"warmup_s must be >= 0 (got {warmup_s})")
+        raise SettingError(f"warmup_s must be >= 0 (got {warmup_s})")
 
 
 def simulate(p: Profile, n: int, servers: int = 1, serial: bool = False, duration_s: float | None = None,
@@ -223,9 +224,9 @@ def servers_needed(p: Profile, m: int, quality: float = 0.9, serial: bool = Fals
     invariant "K = lo falls short, K = hi meets the quality".
     """
     if m < 1:
-        raise ValueError(f"m must be >= 1 (got {m})")
+        raise SettingError(f"m must be >= 1 (got {m})")
     if not 0 < quality <= 1:
-        raise ValueError(f"quality must be in (0, 1] (got {quality})")
+        raise SettingError(f"quality must be in (0, 1] (got {quality})")
     goal = quality * simulate(p, 1, 1, serial, seed=seed).per_target_tokens_per_s
 
     def enough(k: int) -> bool:
@@ -244,7 +245,7 @@ def servers_needed(p: Profile, m: int, quality: float = 0.9, serial: bool = Fals
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if enough(mid) else (mid, hi)
     if hi > max_servers:
-        raise ValueError(f"{m} targets need {hi} draft servers, more than max_servers={max_servers}")
+        raise SettingError(f"{m} targets need {hi} draft servers, more than max_servers={max_servers}")
     return hi
 
 
@@ -277,9 +278,9 @@ def _int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, e.g. 1,2,4 (got {text!r})") from None
+        raise SettingError(f"{flag} takes comma-separated integers, e.g. 1,2,4 (got {text!r})") from None
     if not values or min(values) < 1:
-        raise ValueError(f"{flag} takes integers >= 1 (got {text!r})")
+        raise SettingError(f"{flag} takes integers >= 1 (got {text!r})")
     return values
 
 
@@ -318,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
     p = Profile.load(args.profile)
     ns, ks = _int_list(args.targets, "--targets"), _int_list(args.servers, "--servers")
     if args.for_targets is not None and args.for_targets < 1:
-        raise ValueError(f"--for-targets must be >= 1 (got {args.for_targets})")
+        raise SettingError(f"--for-targets must be >= 1 (got {args.for_targets})")
     name = "one-at-a-time" if args.serial else "batched"
     print(f"{name} draft servers: S(1) {p.service(1):.1f} ms, R {p.return_ms:.1f} ms, "
           f"tau {p.tokens_per_iteration:.2f}, N_full {sysmodel.n_full(p, args.serial):.1f} per server "

@@ -29,6 +29,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from starsd.errors import SettingError
+
 
 def interpolate(points: dict[int, float], x: float) -> float:
     """y at x: linear between the measured points, flat before the first, extended by the last
@@ -58,19 +60,19 @@ class Profile:
 
     def __post_init__(self):
         if not self.service_ms or min(self.service_ms) < 1:
-            raise ValueError("service_ms needs S(b) for batch sizes b >= 1, at least S(1)")
+            raise SettingError("service_ms needs S(b) for batch sizes b >= 1, at least S(1)")
         if any(not (v > 0 and math.isfinite(v)) for v in self.service_ms.values()):
-            raise ValueError("service times must be positive and finite")
+            raise SettingError("service times must be positive and finite")
         if not (self.return_ms >= 0 and math.isfinite(self.return_ms)):
-            raise ValueError("return_ms must be >= 0")
+            raise SettingError("return_ms must be >= 0")
         if not self.tokens_per_iteration >= 1:
-            raise ValueError("tokens_per_iteration is at least 1 (the bonus token)")
+            raise SettingError("tokens_per_iteration is at least 1 (the bonus token)")
         if self.max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
+            raise SettingError("max_batch must be >= 1")
         if any(not (x >= 0 and math.isfinite(x)) for x in self.return_samples_ms):
-            raise ValueError("return_samples_ms must be >= 0 and finite")
+            raise SettingError("return_samples_ms must be >= 0 and finite")
         if any(x < 1 for x in self.tokens_samples):
-            raise ValueError("tokens_samples are at least 1 each (the bonus token)")
+            raise SettingError("tokens_samples are at least 1 each (the bonus token)")
 
     def service(self, b: float) -> float:
         """S(b), ms: piecewise-linear in the measured points, extended by the last slope."""
@@ -91,7 +93,7 @@ class Profile:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown profile fields: {', '.join(sorted(unknown))}")
+            raise SettingError(f"unknown profile fields: {', '.join(sorted(unknown))}")
         d["service_ms"] = {int(k): float(v) for k, v in d["service_ms"].items()}
         d["return_samples_ms"] = tuple(float(x) for x in d.get("return_samples_ms", ()))
         d["tokens_samples"] = tuple(int(x) for x in d.get("tokens_samples", ()))
@@ -102,7 +104,7 @@ class Profile:
         try:
             return cls.from_json(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"cannot read a profile from {path}: {e!r}") from None
+            raise SettingError(f"cannot read a profile from {path}: {e!r}") from None
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def loaded_batch(p: Profile, n: int, serial: bool) -> float:
 def predict(p: Profile, n: int, serial: bool = False) -> Prediction:
     """Steady-state figures for n targets on one draft server."""
     if n < 1:
-        raise ValueError("n must be >= 1")
+        raise SettingError("n must be >= 1")
     linear = 1e3 * n / (p.return_ms + p.service(1))
     b = loaded_batch(p, n, serial)
     loaded = 1e3 * b / p.service(b)

@@ -36,6 +36,7 @@ from starsd.models.loading import load_model, load_tokenizer
 from starsd.train import data
 from starsd.train.run import Progress, RunDir, default_run_dir
 from starsd.train.settings import EagleTrainConfig
+from starsd.errors import SettingError
 
 
 @torch.inference_mode()
@@ -115,7 +116,7 @@ class Heldout:
     def build(cls, target, files: tuple[str, ...], tokens_of, seq_len: int, count: int, device) -> Heldout:
         picked = [c for c, _ in itertools.islice(data.chunks(files, tokens_of, seq_len), count)]
         if not picked:
-            raise ValueError(f"the held-out files hold no chunk of {seq_len} tokens: lower --seq-len")
+            raise SettingError(f"the held-out files hold no chunk of {seq_len} tokens: lower --seq-len")
         toks = torch.tensor(picked, device=device)
         feats = torch.cat([target_features(target, t[None]) for t in toks])
         argmax = torch.stack([target_logits(target, f[1:]).argmax(-1) for f in feats])
@@ -187,7 +188,7 @@ class Trainer:
         sources = [Path(p) for p in self.cfg.text.split(",") if p] or data.default_sources()
         corpus = data.collect(sources, self.cfg.seed)
         if not corpus.train:
-            raise ValueError(f"no Python files to train on under {', '.join(map(str, sources))}")
+            raise SettingError(f"no Python files to train on under {', '.join(map(str, sources))}")
         corpus.save(self.run.corpus)
         return corpus
 
@@ -198,7 +199,7 @@ class Trainer:
                 init_from_target(self.head, self.target)
             return Progress()
         if state["target"] != self.cfg.target:
-            raise ValueError(f"{self.run.path} holds a run for target {state['target']!r}, not "
+            raise SettingError(f"{self.run.path} holds a run for target {state['target']!r}, not "
                              f"{self.cfg.target!r}: give another --run-dir")
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from starsd.errors import SettingError
+
 from starsd.config import DEFAULT_TARGET, DTYPES, setting
 
 
@@ -50,19 +52,19 @@ class EagleTrainConfig:
     def __post_init__(self):
         for name in ("batch", "eval_every", "eval_chunks"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+                raise SettingError(f"{name} must be >= 1, not {getattr(self, name)}")
         if self.seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, not {self.seq_len}")
+            raise SettingError(f"seq_len must be >= 2, not {self.seq_len}")
         for name in ("hours", "lr", "weight_decay", "grad_clip", "noise", "ce_weight", "checkpoint_minutes"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, not {value}")
+                raise SettingError(f"{name} must be a finite number >= 0, not {value}")
         for name in ("threads", "tokens", "warmup_steps", "ce_positions", "seed"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+                raise SettingError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, not {self.dtype!r}")
+            raise SettingError(f"dtype must be auto or one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.init not in ("target", "random"):
-            raise ValueError(f"init must be target or random, not {self.init!r}")
+            raise SettingError(f"init must be target or random, not {self.init!r}")
         if not self.hours and not self.tokens:
-            raise ValueError("give a budget: --hours (this run's wall clock) and/or --tokens (the total)")
+            raise SettingError("give a budget: --hours (this run's wall clock) and/or --tokens (the total)")
