@@ -73,6 +73,20 @@ def test_warp_temperature_orders_entropy():
     assert hs == sorted(hs) and hs[0] < hs[-1]
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-45, 1e-30])
+def test_warp_tiny_temperatures_are_the_argmax_ties_not_nan(temperature):
+    """A temperature float32 cannot hold divided by 0, and one it can sent the largest logit to +inf:
+    NaN probabilities, a failed stream (found by the HTTP fuzz)."""
+    probs = warp(torch.tensor([1.0, 3.0, 3.0, -2.0]), SamplingConfig(temperature=temperature))
+    assert probs.tolist() == [0.0, 0.5, 0.5, 0.0]
+
+
+def test_warp_top_p_below_float32_keeps_the_first_token():
+    """top_p = 5e-324 rounds to 0 in a float32 comparison: every token was dropped, NaN after."""
+    probs = warp(torch.tensor([1.0, 3.0, 2.0]), SamplingConfig(temperature=1.0, top_p=5e-324))
+    assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
 def test_warp_accepts_half_precision_logits():
     logits = torch.randn(2, 7, generator=make_generator(3, "cpu")).to(torch.bfloat16)
     probs = warp(logits, T1)

@@ -38,7 +38,11 @@ def warp(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
     logits = logits.float()
     if s.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / s.temperature
+    # The largest logit at 0 first: a tiny temperature sends the others to -inf, not the largest to
+    # +inf (a NaN softmax). A temperature under 1e-20 counts as 1e-20 (float32 has no number below
+    # 1.4e-45, so 1e-300 would divide by 0): the same distribution, but for logits that lie within
+    # about 1e-18 of the largest, which then stay ties.
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(s.temperature, 1e-20)
     if 0 < s.top_k < logits.shape[-1]:
         kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -46,7 +50,8 @@ def warp(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
     if s.top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
-        drop_sorted = mass_before >= s.top_p  # the first token is always kept
+        drop_sorted = mass_before >= s.top_p
+        drop_sorted[..., 0] = False  # the first token is always kept, even where top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
