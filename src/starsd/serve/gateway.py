@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response as HttpResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from starsd.config import ClientKeys, GatewayKeys
 from starsd.errors import SettingError, Unavailable
@@ -86,7 +87,11 @@ class Gateway:
     async def api_error(self, request: Request, e: ApiError):
         outcome = "rejected" if e.status == 503 else "invalid" if e.status < 500 else "error"
         self.metrics.requests.labels(outcome).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(e)
+
+    async def http_error(self, request: Request, e: StarletteHTTPException):
+        """An unknown path (404) or method (405) in the OpenAI error shape, not FastAPI's {"detail"}."""
+        return error_response(ApiError(e.status_code, str(e.detail)))
 
     async def authorize(self, request: Request, call_next):
         if self.cfg.api_key and request.url.path.startswith("/v1/") and \
@@ -141,6 +146,8 @@ class Gateway:
             body = await request.json()
         except ValueError as e:  # not JSON, or not UTF-8 (UnicodeDecodeError)
             raise ApiError(400, f"the body is not JSON in UTF-8: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the body nests deeper than JSON is read here") from None
         try:
             req = kind.model_validate(body)
         except ValidationError as e:
@@ -212,6 +219,7 @@ class Gateway:
 def make_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="StarSD")
     app.add_exception_handler(ApiError, gateway.api_error)
+    app.add_exception_handler(StarletteHTTPException, gateway.http_error)
     app.middleware("http")(gateway.authorize)
     app.add_api_route("/health", gateway.health, methods=["GET"])
     app.add_api_route("/metrics", gateway.prometheus, methods=["GET"])
@@ -223,6 +231,12 @@ def make_app(gateway: Gateway) -> FastAPI:
 
 def event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def error_response(e: ApiError) -> HttpResponse:
+    """JSON in ASCII: a parameter name or value a client sent may hold lone surrogates, which
+    UTF-8 cannot carry (FastAPI's JSONResponse writes UTF-8)."""
+    return HttpResponse(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
 
 def target_error(e: TargetFailed) -> ApiError:

@@ -67,6 +67,8 @@ class _Common(BaseModel):
         if len(self.stops) > P.MAX_STOPS or any(not 0 < len(s) <= P.MAX_STOP_CHARS for s in self.stops):
             raise ApiError(400, f"stop takes at most {P.MAX_STOPS} non-empty strings of up to {P.MAX_STOP_CHARS} "
                                 "characters", "stop")
+        for stop in self.stops:
+            _check_text(stop, "stop")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -82,6 +84,16 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _check_text(text: str, param: str) -> None:
+    """Text UTF-8 can carry: JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer
+    or wire takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}): "
+                            "not Unicode text", param) from None
+
+
 def _check_length(chars: int, param: str) -> None:
     if chars > P.MAX_PROMPT_CHARS:
         raise ApiError(400, f"the prompt has {chars} characters, more than {P.MAX_PROMPT_CHARS}", param)
@@ -94,7 +106,9 @@ class CompletionRequest(_Common):
         super().check()
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ApiError(400, "one prompt per request (a list of prompts is n > 1)", "prompt")
-        _check_length(len(self.prompt if isinstance(self.prompt, str) else self.prompt[0]), "prompt")
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        _check_length(len(prompt), "prompt")
+        _check_text(prompt, "prompt")
 
     def generate(self, stream_id: int, default_max: int) -> P.Generate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -136,6 +150,8 @@ class ChatRequest(_Common):
                 raise ApiError(400, f"message fields {sorted(m.model_extra)} are not supported", "messages")
 
         _check_length(sum(len(m.text()) for m in self.messages), "messages")
+        for m in self.messages:
+            _check_text(m.text(), "messages")
 
     def generate(self, stream_id: int, default_max: int) -> P.Generate:
         messages = tuple(P.Message(m.role, m.text()) for m in self.messages)

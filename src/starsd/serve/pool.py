@@ -256,10 +256,14 @@ class Pool:
         the pool when the stream is over, or after its Cancel, however the consumer leaves."""
         queue: asyncio.Queue = asyncio.Queue()
         link.streams[request.id] = queue
+        try:
+            await link.send(request)
+        except Exception:  # never sent (a message that cannot be encoded): the target holds nothing of it
+            self._release(link, request.id)
+            raise
         finished = False
         self.running += 1
         try:
-            await link.send(request)
             while not finished:
                 msg = await self._next(link, queue)
                 if isinstance(msg, P.Error):
