@@ -65,7 +65,7 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
     gateway = spawn(["serve", "--ray", cluster["head"], "--targets", "2", "--host", link.draft_ip, "--port", str(port),
                      "--ray-draft-resources", '{"draft_host": 1}', "--ray-target-resources", '{"target_host": 1}',
                      "--target", target_dir, "--draft", draft_dir, "--dtype", "float32", "--draft-quantize", "none",
-                     "--served-model-name", "tiny", "--no-draft-adaptive"],  # a tiny target decodes a token in
+                     "--served-model-name", "tiny", "--no-draft-adaptive", "--api-key", "x"],  # a tiny target decodes a token in
                     # milliseconds: its depth policy may rightly find a draft across the link not worth its wait, and
                     # this test is about where the star runs, so every step waits for its draft
                     prefix=link.exec_argv(link.draft_ns), env=cluster["env"])

@@ -20,6 +20,7 @@ from starsd import config as C
 from starsd.bench import metrics
 from starsd.emulate.replay import (LatencyProfile, Recording, ReplayTarget, measure_latency, record, record_features,
                                    recording_path)
+from starsd.errors import SettingError
 from starsd.models import forward as fw
 from starsd.models.drafter import DraftJob, Drafter, Pass
 from starsd.models.eagle import EagleHead
@@ -218,7 +219,7 @@ def measure_service(drafter: Drafter, rec: Recording, sizes: list[int], cfg: C.D
     `reset_tokens` (`reset_cost` makes a cost per token of it)."""
     prompts = [p["prompt_ids"] for p in rec.prompts.values() if len(p["continuation"]) == rec.max_new_tokens]
     if not prompts:
-        raise ValueError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
+        raise SettingError("every recorded continuation ends early (EOS): the service sweep needs full-length ones")
     out = {}
     with Steps("service sweep", len(sizes)) as steps:
         for b in sizes:
@@ -284,7 +285,7 @@ def _time_group(drafter: Drafter, rec: Recording, rows: list[list[int]], cfg: C.
     out = {"service_ms": [], "bound_ms": [], "reset_ms": [], "reset_tokens": [sum(map(len, rows))]}
     for rep in range(reps + 1):  # the first pass ingests the prompts: not steady state, timed apart
         if min(group.left()) < 2:
-            raise ValueError("recorded continuations too short for the service sweep: raise --max-new-tokens")
+            raise SettingError("recorded continuations too short for the service sweep: raise --max-new-tokens")
         if rep:
             group.step(list(range(len(rows))), cfg, out["service_ms"], out["bound_ms"])
         else:

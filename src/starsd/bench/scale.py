@@ -43,6 +43,7 @@ import torch
 
 from starsd import config as C
 from starsd.bench import harness, metrics
+from starsd.errors import SettingError
 from starsd.models.drafter import Drafter
 from starsd.emulate.replay import load_features
 from starsd.models.loading import load_eagle, load_model
@@ -464,7 +465,7 @@ def main(args) -> int:
     modes = args.modes.split(",")
     known = ["target-only", "single-pair", "serial", "batched", "adaptive", "predraft", "star"]
     if set(modes) - set(known):
-        raise ValueError(f"unknown modes {sorted(set(modes) - set(known))}: {', '.join(known)} "
+        raise SettingError(f"unknown modes {sorted(set(modes) - set(known))}: {', '.join(known)} "
                          "(more fixed depths: --fixed-depths; an EAGLE head: --eagle)")
     pair = C.from_args(C.PairConfig, args)
     torch.set_num_threads(args.threads)

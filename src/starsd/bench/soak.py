@@ -48,6 +48,7 @@ import zmq
 
 from starsd import config as C
 from starsd.bench import harness
+from starsd.errors import SettingError
 from starsd.results import Steps, panel_plot, summary, write_json
 from starsd.star import protocol as P
 from starsd.star.client import Heartbeat, query_stats
@@ -90,7 +91,7 @@ def schedule(counts: dict[str, int], first_s: float, last_s: float) -> list[tupl
                 order.append(k)
                 left[k] -= 1
     if order and last_s < first_s:
-        raise ValueError(f"no time for faults: the warm-up ends at {first_s:g} s, the last fault must come by "
+        raise SettingError(f"no time for faults: the warm-up ends at {first_s:g} s, the last fault must come by "
                          f"{last_s:g} s (raise --duration-s, or lower --warmup-s or --recover-s)")
     step = (last_s - first_s) / (len(order) - 1) if len(order) > 1 else 0.0
     return [(first_s + i * step, kind) for i, kind in enumerate(order)]
@@ -99,7 +100,7 @@ def schedule(counts: dict[str, int], first_s: float, last_s: float) -> list[tupl
 def shares(n: int, hosts: int) -> list[int]:
     """n targets shared out over `hosts` processes as evenly as can be."""
     if not 1 <= hosts <= n:
-        raise ValueError(f"--hosts must be in 1..{n} (the targets), not {hosts}")
+        raise SettingError(f"--hosts must be in 1..{n} (the targets), not {hosts}")
     return [n // hosts + (i < n % hosts) for i in range(hosts)]
 
 
