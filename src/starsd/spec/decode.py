@@ -181,17 +181,20 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
             tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth or ahead,
                                    deadline_ms=deadline_ms,
                                    features=torch.cat(new_features) if new_features else None)
-            draft_ms = (time.perf_counter() - t_draft) * 1e3
+            draft_ms = waited_ms = (time.perf_counter() - t_draft) * 1e3
             new_tokens = []
             new_features = []
-            if ask_ahead and (dseq.behind or not depth or first):  # asked earlier and not waited
-                # for: it costs no wait now, so it is verified as deep as that pays
+            waited_for = not (ask_ahead and (dseq.behind or not depth or first))
+            if not waited_for:  # asked earlier and not waited for: it costs no wait now, so it is
+                # verified as deep as that pays
                 tree = tree.truncate(policy.worth(min(tree.depth(), budget - 1)))
                 draft_ms = None
             else:
                 tree = tree.truncate(depth)
-            if depth and policy and len(tree) == 0 and draft_ms is not None and draft_ms >= deadline_ms:
-                policy.missed(depth, draft_ms)
+                if not produced:  # the prompt's first draft also ingested the prompt: not what a draft costs
+                    draft_ms = None
+            if waited_for and depth and policy and len(tree) == 0 and waited_ms >= deadline_ms:
+                policy.missed(depth, waited_ms)
         else:
             tree = DraftTree.empty()
             if ask_ahead:

@@ -9,16 +9,23 @@ the accepted tokens and one more. The policy takes the depth with the most token
     rate(0) = 1 / verify_ms(1)
     rate(d) = (1 + accepted(d)) / (draft_ms(d) + verify_ms(d + 1))
 
-where accepted(d) = sum over k <= d of P(the first k drafted tokens are accepted). Acceptance by
-position and both costs are learnt from this stream's own steps, recent ones weighing more:
-draft_ms as a straight line in d (a queueing wait plus a cost per level), verify_ms as a table by
-width, since a CPU's matrix kernels make it anything but a line (measured here: 1 token 619 ms,
-2 tokens 1214 ms, 4 tokens 1962 ms, 11 tokens 2499 ms). Unmeasured, a depth is assumed as good as
-the configured one: a stream starts speculating at full depth and learns from there. Every
-`explore` steps the policy looks beside its choice, in turn: decoding alone, one level shallower,
-one deeper (or, while decoding alone, the best draft, twice as rarely after each look that finds
-decoding alone still better, up to 16 x explore), so that costs it has not measured, and a draft
-server that slows down or frees up, are noticed.
+where accepted(d) = sum over k <= d of P(the first k drafted tokens are accepted). Both costs and
+acceptance are learnt from this stream's own steps, and robustly: a cost is the median of its size's
+recent measurements (one pass slowed by another process or by a first call's warm-up must not steer
+the stream for good); draft_ms is a line in d through them (a queueing wait plus a cost per level),
+verify_ms a table by width, since a CPU's matrix kernels make it anything but a line. Acceptance is a
+Beta posterior per position of the chain, shrunk towards the stream's rate over all positions, itself
+shrunk towards a prior of 0.8: one rejected draft does not make a stream give up drafting, and a
+position never tested is judged by what the others showed. Whether to draft is decided on the
+posterior means; how deep, on one draw from each posterior (Thompson sampling): the less the stream
+knows about a depth, the more often it is tried, and once it knows, it keeps to the depth with the
+most tokens per millisecond. An unmeasured width
+costs what its nearest measured neighbour costs, so a stream starts at full depth and learns from
+there. Every `explore` steps the policy also looks beside its choice: at decoding alone until that has
+been measured a few times, then one level shallower and one deeper in turn (or, while decoding alone,
+at the best draft, twice as rarely after each look that finds decoding alone still better, up to
+16 x explore), so that a width measured slow once, and a draft server that slows down or frees up,
+are noticed.
 
 The same arithmetic bounds the wait: a draft d deep pays only while it arrives within
 
@@ -42,111 +49,136 @@ waits for one cannot fall below its own decoding speed because of it.
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
 
-@dataclass
-class Line:
-    """y = a + b x fitted by least squares to the last `window` points; `prior` (a, b) when it has
-    none. With one x seen, the line goes through the origin (`proportional`: a cost that grows with
-    size, like a draft's levels) or is flat (a cost measured at one size only)."""
-
-    prior: tuple[float, float]
-    proportional: bool
-    window: int = 48
-    points: deque = field(default_factory=deque)
-    _fitted: tuple[float, float] | None = field(default=None, repr=False)  # fit() until the next add()
-
-    def add(self, x: float, y: float) -> None:
-        self.points.append((x, y))
-        if len(self.points) > self.window:
-            self.points.popleft()
-        self._fitted = None
-
-    def __call__(self, x: float) -> float:
-        a, b = self.fit()
-        return max(0.0, a + b * x)
-
-    def fit(self) -> tuple[float, float]:
-        if self._fitted is None:
-            self._fitted = self._least_squares()
-        return self._fitted
-
-    def _least_squares(self) -> tuple[float, float]:
-        if not self.points:
-            return self.prior
-        n = len(self.points)
-        mx = sum(p[0] for p in self.points) / n
-        my = sum(p[1] for p in self.points) / n
-        sxx = sum((p[0] - mx) ** 2 for p in self.points)
-        if sxx == 0:
-            return (0.0, my / mx) if self.proportional and mx > 0 else (my, 0.0)
-        b = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in self.points) / sxx)  # costs never fall with size
-        return my - b * mx, b
+def median(values) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 @dataclass
-class Table:
-    """y by integer x: an exponential average of the measurements at each x (`weight` for the new
-    one); between measured xs a straight line, beyond them the nearest; `prior` before any."""
+class Costs:
+    """Milliseconds by size (tokens verified, or levels drafted): at each size, the median of its last
+    `keep` measurements, so that a pass slowed by another process, a page fault or a first call's
+    warm-up does not stand for the size's cost. A size measured fewer than `trusted` times counts only
+    for the next `window` measurements (a single slow pass at a width not tried again must not rule
+    it out for good); `prior` stands in before any. Between measured sizes a straight line. Beyond them,
+    `extend`: "flat" (the nearest measured size's cost: a CPU's matrix kernels make a verify's cost
+    anything but a line, measured here: 1 token 619 ms, 2 tokens 1214 ms, 4 tokens 1962 ms, 11
+    tokens 2499 ms, so an unmeasured width is taken at its neighbour's cost until tried, which makes
+    trying it look worth it) or "line" (a draft's queueing wait plus a cost per level: a line through
+    the measured sizes, its slope the median of their pairwise slopes, never negative; with one size
+    measured, `proportional` draws it through the origin, else flat)."""
 
     prior: float
-    weight: float = 0.25
-    values: dict[int, float] = field(default_factory=dict)
+    extend: str = "flat"
+    proportional: bool = True
+    keep: int = 9
+    window: int = 64
+    trusted: int = 3  # measurements that make a size's median count for good
+    samples: dict[int, deque] = field(default_factory=dict)
+    last: dict[int, int] = field(default_factory=dict)  # size -> count of measurements when it was last measured
+    count: int = 0
+    _values: dict[int, float] | None = field(default=None, repr=False)  # values() until the next add()
 
     def add(self, x: int, y: float) -> None:
-        old = self.values.get(x)
-        self.values[x] = y if old is None else old + self.weight * (y - old)
+        self.samples.setdefault(x, deque(maxlen=self.keep)).append(y)
+        self.count += 1
+        self.last[x] = self.count
+        self._values = None
+
+    def values(self) -> dict[int, float]:
+        """The median cost at each size measured recently enough to count."""
+        if self._values is None:
+            kept = {x for x, n in self.last.items() if self.count - n < self.window or self.measured(x) >= self.trusted}
+            self._values = {x: median(self.samples[x]) for x in sorted(kept or self.last)}
+        return self._values
+
+    def measured(self, x: int) -> int:
+        return len(self.samples.get(x, ()))
 
     def __call__(self, x: float) -> float:
-        if not self.values:
-            return self.prior
-        xs = sorted(self.values)
+        values = self.values()
+        if not values:
+            return self.prior * x if self.extend == "line" and self.proportional else self.prior
+        xs = list(values)
+        if self.extend == "line" and (x < xs[0] or x > xs[-1] or len(xs) == 1):
+            a, b = self.line()
+            return max(0.0, a + b * x)
         if x <= xs[0]:
-            return self.values[xs[0]]
+            return values[xs[0]]
         if x >= xs[-1]:
-            return self.values[xs[-1]]
+            return values[xs[-1]]
         hi = next(k for k in xs if k >= x)
         lo = max(k for k in xs if k <= x)
         if hi == lo:
-            return self.values[lo]
-        return self.values[lo] + (self.values[hi] - self.values[lo]) * (x - lo) / (hi - lo)
+            return values[lo]
+        return values[lo] + (values[hi] - values[lo]) * (x - lo) / (hi - lo)
+
+    def line(self) -> tuple[float, float]:
+        """(a, b) of y = a + b x through the sizes' medians."""
+        values = self.values()
+        xs = list(values)
+        if len(xs) == 1:
+            (x, y), = values.items()
+            return (0.0, y / x) if self.proportional and x > 0 else (y, 0.0)
+        b = max(0.0, median((values[j] - values[i]) / (j - i) for n, i in enumerate(xs) for j in xs[n + 1:]))
+        return median(values[x] - b * x for x in xs), b
 
 
 @dataclass
 class Acceptance:
-    """P(the first k drafted tokens are all accepted), k = 1..max_depth, with exponential forgetting."""
+    """Whether each drafted position is accepted, k = 1..max_depth, as a Beta-Bernoulli estimate per
+    position: a position is tested when it was drafted and every position before it was accepted.
+    Each position's rate is shrunk towards the rate of all positions together (itself shrunk towards
+    `prior`), `strength` tests' worth, so that a position tested a few times, or never, is judged by
+    what the stream has shown elsewhere rather than by one draft. Old tests weigh less (`decay`)."""
 
     max_depth: int
     decay: float = 0.97
-    tried: list[float] = field(default_factory=list)  # weight of drafts that reached position k
-    taken: list[float] = field(default_factory=list)  # weight of those whose first k tokens were accepted
+    prior: float = 0.8
+    strength: float = 2.0
+    tests: list[float] = field(default_factory=list)  # weight of drafts that tested position k
+    hits: list[float] = field(default_factory=list)  # weight of those whose position k was accepted
 
     def __post_init__(self):
-        self.tried = [0.0] * self.max_depth
-        self.taken = [0.0] * self.max_depth
+        self.tests = [0.0] * self.max_depth
+        self.hits = [0.0] * self.max_depth
 
     def add(self, depth: int, accepted: int) -> None:
         """A draft `depth` deep of which the first `accepted` tokens were accepted."""
         for k in range(self.max_depth):
-            self.tried[k] *= self.decay
-            self.taken[k] *= self.decay
-            if k < depth:
-                self.tried[k] += 1.0
-                self.taken[k] += 1.0 if k < accepted else 0.0
+            self.tests[k] *= self.decay
+            self.hits[k] *= self.decay
+            if k < depth and k <= accepted:
+                self.tests[k] += 1.0
+                self.hits[k] += 1.0 if k < accepted else 0.0
 
-    def expected(self, d: int) -> float:
-        """E[accepted tokens] of a draft d deep. A position never tried is assumed to keep the last
-        measured conditional rate (or 0.8 with none at all)."""
+    def rates(self, rng: random.Random | None = None) -> list[float]:
+        """P(position k accepted | every one before accepted): the posterior means, or with `rng` one
+        draw from each posterior (Thompson sampling: a position little tested is now and then judged
+        better than its mean, so the depth choice looks deeper or shallower in proportion to what it
+        does not know)."""
+        pooled = (sum(self.hits) + self.strength * self.prior) / max(sum(self.tests) + self.strength, 1e-9)
+        out = []
+        for tests, hits in zip(self.tests, self.hits):
+            a = hits + self.strength * pooled
+            b = tests - hits + self.strength * (1.0 - pooled)
+            if a + b <= 1e-9:  # never tested, and no prior to go by
+                out.append(pooled)
+            else:
+                out.append(rng.betavariate(max(a, 1e-3), max(b, 1e-3)) if rng else a / (a + b))
+        return out
+
+    def expected(self, d: int, rates: list[float] | None = None) -> float:
+        """E[accepted tokens] of a draft d deep (by the posterior means, or by `rates`)."""
         total = 0.0
-        reach = 1.0  # P(the first k - 1 accepted)
-        rate = 0.8
-        for k in range(d):
-            if self.tried[k] > 0.5 and (k == 0 or self.taken[k - 1] > 0.5):
-                p_k = self.taken[k] / self.tried[k]  # P(first k accepted | drafted k deep)
-                p_prev = 1.0 if k == 0 else self.taken[k - 1] / self.tried[k - 1]
-                rate = min(1.0, p_k / p_prev) if p_prev > 0 else 0.0
+        reach = 1.0  # P(the first k accepted)
+        for rate in (rates or self.rates())[:d]:
             reach *= rate
             total += reach
         return total
@@ -157,14 +189,15 @@ class DepthPolicy:
     """The depth of each step of one stream: 0 (decode alone) .. max_depth."""
 
     max_depth: int
-    explore: int = 16  # steps between tries of another depth
+    explore: int = 16  # steps between looks beside the choice
     acceptance: Acceptance = None
-    draft_ms: Line = None
-    verify_ms: Table = None
+    draft_ms: Costs = None
+    verify_ms: Costs = None
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # the Thompson draws
     steps: int = 0
     chosen: int = 0
     since: int = 0  # steps since the last look beside the choice
-    looks: int = 0  # looks beside a chosen depth so far (they take turns: alone, shallower, deeper)
+    looks: int = 0  # looks beside a chosen depth so far (they take turns: shallower, deeper)
     idle_looks: int = 0  # looks in a row at drafting while decoding alone (each doubles the interval)
     paused: int = 0  # steps left to decode alone after a missed deadline
     misses: int = 0  # deadlines missed in a row (each doubles the next pause)
@@ -175,15 +208,15 @@ class DepthPolicy:
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
         # Priors that make speculating look worth it until measured: drafts cheap, verify flat.
-        self.draft_ms = self.draft_ms or Line((0.0, 1.0), proportional=True)
-        self.verify_ms = self.verify_ms or Table(100.0)
+        self.draft_ms = self.draft_ms or Costs(1.0, extend="line")
+        self.verify_ms = self.verify_ms or Costs(100.0)
         self.chosen = self.max_depth
 
-    def rate(self, d: int) -> float:
-        """Expected tokens per millisecond at depth d."""
+    def rate(self, d: int, rates: list[float] | None = None) -> float:
+        """Expected tokens per millisecond at depth d (by the acceptance `rates`, else their means)."""
         if d == 0:
             return 1.0 / max(self.verify_ms(1), 1e-6)
-        return (1.0 + self.acceptance.expected(d)) / max(self.draft_ms(d) + self.verify_ms(d + 1), 1e-6)
+        return (1.0 + self.acceptance.expected(d, rates)) / max(self.draft_ms(d) + self.verify_ms(d + 1), 1e-6)
 
     def here(self, d: int) -> float:
         """Expected tokens per millisecond of verifying a draft d deep that is already here (no wait)."""
@@ -229,14 +262,20 @@ class DepthPolicy:
         return self.ahead(limit, behind - head, server_ms - self.prefill_ms)
 
     def choose(self, limit: int) -> int:
-        """The depth for the next step, at most `limit` (the tokens left allow no deeper)."""
+        """The depth for the next step, at most `limit` (the tokens left allow no deeper). Whether to
+        draft at all is judged on the posterior means (decoding alone is what protects a stream from
+        a draft that does not pay, so it is not gambled on); how deep, on one draw of each
+        position's acceptance, so that a depth the stream knows little about is tried in proportion
+        to how likely it is to pay."""
         limit = max(0, min(limit, self.max_depth))
         if self.paused > 0:
             self.paused -= 1
             self.chosen = 0
             return 0
-        rates = [self.rate(d) for d in range(limit + 1)]
-        best = max(range(limit + 1), key=rates.__getitem__)
+        best = max(range(limit + 1), key=self.rate)
+        if best > 0:  # how deep: by one draw of each position's acceptance
+            rates = self.acceptance.rates(self.rng)
+            best = max(range(1, limit + 1), key=lambda d: self.rate(d, rates))
         self.steps += 1
         self.since += 1
         if best > 0:
@@ -248,9 +287,11 @@ class DepthPolicy:
                 # waits twice as long for the next (up to 16 x explore): a look can cost several
                 # passes where verifying a draft is dear, and must not add up to a loss
                 self.idle_looks += 1
-                best = max(range(1, limit + 1), key=rates.__getitem__)
-            else:
-                best = [0, best - 1, min(limit, best + 1)][self.looks % 3]
+                best = max(range(1, limit + 1), key=self.rate)
+            elif self.verify_ms.measured(1) < 3:  # decoding alone, to compare with: measured little yet
+                best = 0
+            else:  # the costs of the widths beside: a pass slowed once must not rule a width out for good
+                best = [best - 1, min(limit, best + 1)][self.looks % 2]
                 self.looks += 1
         self.chosen = best
         return best
@@ -267,7 +308,7 @@ class DepthPolicy:
         be that, or the prior if more (a first deadline that trusts the draft server at least as
         long as the prefill took)."""
         self.prefill_ms = ms
-        if not self.verify_ms.values:
+        if not self.verify_ms.samples:
             self.verify_ms.prior = max(self.verify_ms.prior, ms)
 
     def missed(self, depth: int, waited_ms: float) -> None:
