@@ -467,6 +467,8 @@ COMMANDS = {  # name: (help, flags, run)
 BENCHES = {  # name: (help, module with add_args and main)
     "colocated": ("target-only vs speculative vs HF assisted, one process", "starsd.bench.colocated"),
     "distributed": ("one target: draft server over loopback vs co-located", "starsd.bench.distributed"),
+    "depth": ("the default depth policy vs fixed depths, co-located and through a draft server, greedy and sampled",
+              "starsd.bench.depth"),
     "service": ("the draft server's batch time S(b) by batch size, against the bare model's passes",
                 "starsd.bench.service"),
     "scale": ("throughput, utilisation and latency vs N targets (replay targets), with baselines",

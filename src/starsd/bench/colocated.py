@@ -154,7 +154,7 @@ def main(args) -> int:
     result = run(pair, prompts, args.max_new_tokens, draft, not args.no_hf, head)
     result = {
         "benchmark": "colocated", "target": args.target, "draft": args.draft, "dtype": cfg.target_model().dtype,
-        "eagle": cfg.eagle or None, "device": args.device, "threads": torch.get_num_threads(), "prompt_set": args.prompts,
+        "eagle_head": cfg.eagle or None, "device": args.device, "threads": torch.get_num_threads(), "prompt_set": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "draft_config": {"depth": draft.depth, "top_k": draft.top_k, "total_tokens": draft.max_nodes},
         **result,
