@@ -186,6 +186,18 @@ def test_a_missed_deadline_pauses_drafting_longer_each_time_in_a_row():
     assert [policy.choose(4) for _ in range(4)] == [0] * 4 and policy.choose(4) > 0
 
 
+def test_a_first_miss_before_the_draft_time_is_known_is_a_figure_not_a_pause():
+    """Seen through a draft server on this host: a stream's second step asked 9 tokens with a
+    deadline of one decode pass (580 ms, from next to no figures), missed it, and decoded alone for
+    16 steps before it drafted, then accepted 3 of 3, 6 of 6 and 10 of 10."""
+    policy = DepthPolicy(10, explore=16)
+    policy.observe(1, 0, None, 2, 578.0)
+    policy.missed(9, 580.0)
+    assert policy.paused == 0 and policy.draft_ms(9) == pytest.approx(580.0)
+    policy.missed(9, 600.0)  # a second in a row: the server is slow after all (the pause of a second miss)
+    assert policy.paused == 32
+
+
 def test_first_deadline_trusts_the_server_as_long_as_the_prefill_took():
     policy = DepthPolicy(4)
     policy.prefill(2000.0)

@@ -298,10 +298,13 @@ class DepthPolicy:
 
     def deadline_ms(self, d: int) -> float:
         """How long a draft d deep may take and still beat decoding alone, and never less than one pass
-        of decoding alone: a depth tried to explore may not pay at all, and its try must last long
-        enough to measure a round trip (a shorter wait would only ever measure itself)."""
+        of decoding alone, nor than twice what such a draft is expected to take: a depth tried to
+        explore may not pay at all (its chance of paying came from a draw, not from the means this
+        gain is computed on), and its try must last long enough to measure a round trip (a shorter
+        wait would only ever measure itself). A draft that is late beyond all of these is one that
+        came much slower than its server has been."""
         gain = (1.0 + self.acceptance.expected(d)) * self.verify_ms(1) - self.verify_ms(d + 1)
-        return max(gain, self.verify_ms(1), 1.0)
+        return max(gain, self.verify_ms(1), 2.0 * self.draft_ms(d), 1.0)
 
     def prefill(self, ms: float) -> None:
         """The target's prefill took `ms`: until a one-token pass is measured, its cost is taken to
@@ -313,9 +316,14 @@ class DepthPolicy:
 
     def missed(self, depth: int, waited_ms: float) -> None:
         """A draft `depth` deep did not come within its deadline: the step decoded alone. The wait
-        counts as a draft time (at least that long), and the policy decodes alone for a while."""
+        counts as a draft time (at least that long), and the policy decodes alone for a while: unless
+        this is a first miss at a depth whose draft time was hardly measured yet (a stream's first
+        drafts, judged by a deadline from next to no figures: the wait is a figure now, and the
+        choice takes it in), since a pause then costs a stream the drafts it has not yet tried."""
+        known = self.draft_ms.measured(depth) >= self.draft_ms.trusted
         self.draft_ms.add(depth, waited_ms)
-        self.paused = self.explore << min(self.misses, 4)
+        if known or self.misses:
+            self.paused = self.explore << min(self.misses, 4)
         self.misses += 1
 
     def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float) -> None:
