@@ -1,6 +1,9 @@
 """Pre-drafting (star/ahead.py): drafts made in the draft server's idle time change no output, and
 answer the requests whose outcome they assumed."""
 
+import os
+import re
+import subprocess
 import time
 
 import pytest
@@ -14,6 +17,7 @@ from starsd.star import ahead
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 from starsd.star.sessions import Session
+from starsd.star.hosts import on_this_host, shares_cores
 
 FP = "f" * 64
 CHAIN = DraftConfig(depth=3, min_path_prob=0.0, adaptive=False)
@@ -117,9 +121,11 @@ class SlowTarget:
         return self.target.score(seq, tree)
 
 
-def generate(drafter, target, predraft: bool, n: int = 40, kv_budget_gib: float = 8.0):
+def generate(drafter, target, predraft: bool, n: int = 40, kv_budget_gib: float = 8.0, cohosted: bool = True):
+    """`cohosted`: pre-draft although the target is on this host (it stands for one elsewhere here)."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    server = DraftServer(drafter, FP, 128, ServerConfig(bind=address, predraft=predraft, kv_budget_gib=kv_budget_gib))
+    server = DraftServer(drafter, FP, 128, ServerConfig(bind=address, predraft=predraft, kv_budget_gib=kv_budget_gib,
+                                                     predraft_cohosted=cohosted))
     thread = server.start()
     client = DraftClient(address, FP, "t", timeout_s=10, heartbeat_s=0)
     try:
@@ -144,6 +150,37 @@ def test_predrafting_changes_no_output(tiny_target, tiny_drafters, quality):
         assert stats["hits"] >= on.num_steps - 3 and on.accepted[1:-1] == [3] * (on.num_steps - 2)
     if quality == "random":
         assert stats["misses"] > stats["hits"]
+
+
+def test_no_predrafting_while_a_target_on_this_host_is_connected(tiny_target, tiny_drafters):
+    """The target connects over loopback: it shares this server's cores, and its idle gaps are its
+    verify passes, so pre-drafting waits (by default) for it to leave."""
+    got, stats = generate(tiny_drafters["perfect"], tiny_target, predraft=True, cohosted=False)
+    assert got.token_ids == target_only(tiny_target, PROMPT, 40, GREEDY).token_ids
+    assert stats["outcomes"] == stats["hits"] == 0 and stats["requests"] > 0
+
+
+@pytest.mark.parametrize("address, local", [(None, True), ("127.0.0.1", True), ("127.0.0.53", True), ("::1", True),
+                                            ("::ffff:127.0.0.1", True), ("198.51.100.7", False), ("2001:db8::1", False),
+                                            ("not an address", False)])
+def test_a_peer_on_this_host_is_told_by_its_address(address, local):
+    assert on_this_host(address) == local
+
+
+def test_a_peer_at_one_of_this_hosts_own_addresses_is_on_this_host():
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    own = [a for a in re.findall(r"inet (\S+)/", out) if not a.startswith("127.")]
+    if not own:
+        pytest.skip("no address beyond loopback on this host")
+    assert all(on_this_host(a) for a in own)
+
+
+def test_a_target_shares_cores_with_a_server_on_its_host_only_at_more_than_half_of_them():
+    cores = len(os.sched_getaffinity(0))
+    assert shares_cores("tcp://127.0.0.1:5555", cores) and shares_cores("tcp://localhost:5555", cores)
+    assert shares_cores("ipc:///tmp/draft", cores)
+    assert not shares_cores("tcp://127.0.0.1:5555", cores // 2) or cores == 1
+    assert not shares_cores("tcp://198.51.100.7:5555", cores)
 
 
 def test_predrafts_hold_no_more_draft_kv_than_the_budget_leaves_free(tiny_target, tiny_drafters):

@@ -87,7 +87,8 @@ class PairConfig:
                                   "passes on a CPU; lossless, the target verifies every draft), none, or auto: "
                                   "int8 on a CPU, none elsewhere", choices=("auto", "none", "int8"))
     cache_dir: str = setting("", "model cache (empty: $STARSD_CACHE or ~/.cache/starsd)")
-    threads: int = setting(0, "torch CPU threads (0: torch's default)")
+    threads: int = setting(0, "torch CPU threads (0: torch's default, all cores; in a local star, `launch` or "
+                           "`serve`, an equal share of the cores for each of its processes)")
 
     def __post_init__(self):
         if self.threads < 0:
@@ -207,6 +208,9 @@ class ServerConfig:
                                    "model's shape; a request that would exceed it is refused as kv_full")
     predraft: bool = setting(True, "while no request waits, draft each idle chain session's likeliest next request "
                              "(last draft accepted whole, the draft's own bonus guess) and answer it at once on a hit")
+    predraft_cohosted: bool = setting(False, "pre-draft also while a target on this host is connected (by "
+                                      "default pre-drafting waits: its idle time is that target's verify, on the "
+                                      "same cores)")
     metrics_port: int = setting(0, "serve Prometheus metrics over HTTP on this port, all interfaces (0: off)")
     curve_key: str = setting("", "this server's secret key file (starsd keys): every peer must then authenticate "
                              "with a key from --curve-clients (CurveZMQ)")

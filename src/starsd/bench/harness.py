@@ -73,7 +73,8 @@ def server_config(args, serial: bool, predraft: bool = False) -> C.ServerConfig:
     """The draft server of a benchmark point: pre-drafting only where a mode asks for it, and room
     for a session per target at the largest N."""
     sessions = max(C.ServerConfig.max_sessions, *numbers(args.targets))
-    return C.ServerConfig(serial=serial, max_batch=args.max_batch, predraft=predraft, max_sessions=sessions)
+    return C.ServerConfig(serial=serial, max_batch=args.max_batch, predraft=predraft, max_sessions=sessions,
+                          predraft_cohosted=True)  # replay targets stand for other hosts: they compute nothing here
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import sys
 
 from starsd.config import DraftConfig, PairConfig, ServerConfig
 from starsd.serve import gateway
-from starsd.star.launch import Star, check_models, start_server, target_server_command
+from starsd.star.launch import Star, check_models, share_cores, start_server, target_server_command
 from starsd.star.processes import free_port, read_json_line, spawn
 from starsd.star.supervise import Supervisor
 
@@ -39,6 +39,7 @@ def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: i
                 sock: socket.socket, spec: bool = True, model_name: str = "", restart: bool = True) -> int:
     """`restart`: a draft server or target server that exits is started again (star/supervise.py)."""
     check_models(pair)
+    pair = share_cores(pair, n + 1 if spec else n)
     server = dataclasses.replace(server, metrics_port=server.metrics_port or free_port())
     star = start_server(pair, server) if spec else Star(None, "")
     try:

@@ -21,6 +21,7 @@ from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.errors import StarsdError
 from starsd.spec.tree import DraftTree
 from starsd.star import protocol as P
+from starsd.star.hosts import shares_cores
 from starsd.star import security
 
 
@@ -385,11 +386,15 @@ class RemoteDrafter:
     context limit (`context_full`) decodes alone to its end."""
 
     device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
-    asynchronous = True  # a draft may be asked without waiting (deadline 0) and picked up at a later step
     BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
 
     def __init__(self, client: DraftClient):
         self.client = client
+        # A draft may be asked without waiting (deadline 0) and picked up at a later step, unless the
+        # server drafts on the cores this target verifies on: a draft asked ahead would then be
+        # computed during the target's own pass, each slowing the other (on 2 cores, a target and a
+        # server at 2 threads each), and the two take turns instead, as a co-located pair does.
+        self.asynchronous = not shares_cores(client.address, torch.get_num_threads())
         self.timing = Timing()
         self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
         # drafts are empty until a new session opens

@@ -96,6 +96,16 @@ def check_models(pair: PairConfig) -> None:
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
+def share_cores(pair: PairConfig, processes: int) -> PairConfig:
+    """A local star's processes share this machine's cores: with `threads` left at 0, each of the
+    `processes` gets an equal share of them (at least one) instead of torch's default of all. Every
+    process at all of the cores makes each parallel pass wait for threads the others have taken
+    (measured on 2 cores: see docs/benchmarks.md). A `threads` given is kept."""
+    if pair.threads or not pair.device.startswith("cpu"):
+        return pair
+    return dataclasses.replace(pair, threads=max(1, len(os.sched_getaffinity(0)) // processes))
+
+
 def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,
                  prefix: list[str] = (), stderr=None) -> Star:
     """A draft-server process on tcp://host:port (port 0: a free one), once it is ready; its log
@@ -160,10 +170,11 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
                    json_out: str | None = None) -> int:
     """`starsd launch`: a draft server and n targets sharing num_prompts prompts; prints per-target
     and system throughput, writes JSON and a bar plot; 130 when interrupted (Ctrl-C, SIGTERM)."""
-    target_args = [*target_command(pair)[1:], "--prompts", prompt_set, "--max-new-tokens", str(max_new_tokens),
-                   *target_extra]
     load_prompts(prompt_set)  # an unknown set is refused here, not in every target
     check_models(pair)
+    pair = share_cores(pair, n + 1)
+    target_args = [*target_command(pair)[1:], "--prompts", prompt_set, "--max-new-tokens", str(max_new_tokens),
+                   *target_extra]
     star = None
 
     def on_term(signum, frame):

@@ -187,7 +187,7 @@ class DraftServer:
         msg = req.msg
         try:
             if isinstance(msg, P.Hello):
-                s = self.sessions.open(req.peer, msg, req.user)
+                s = self.sessions.open(req.peer, msg, req.user, req.local)
                 self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
@@ -227,7 +227,7 @@ class DraftServer:
         use), else the likeliest of the idle chain sessions' not drafted yet (ahead.plan), as far
         as their copies of the sessions' state fit in the draft KV budget the sessions leave free."""
         if (not self.cfg.predraft or self.drafter.taps is not None  # a head cannot guess the target's features
-                or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY):
+                or self.stats.recent_busy(ahead.LOOKBACK_S) > ahead.MAX_BUSY or self.cohosted()):
             return []
         room = self.sessions.kv_budget - self.sessions.kv_bytes() - self.sessions.predraft_bytes()
         todo = []
@@ -237,6 +237,12 @@ class DraftServer:
                 break
             todo.append((s, short))
         return todo
+
+    def cohosted(self) -> bool:
+        """A target on this host is connected: its idle gaps are when it verifies, on the cores this
+        server would pre-draft on (measured: a target sharing 2 cores with a pre-drafting server
+        decoded at 0.4x; so pre-drafting waits for them to leave, unless `predraft_cohosted`)."""
+        return not self.cfg.predraft_cohosted and any(s.local for s in self.sessions)
 
     def _predraft(self, todo: list[tuple[Session, int]]) -> None:
         """Pre-draft these outcomes of idle chain sessions (ahead.py, `_predraft_todo`), yielding to

@@ -46,6 +46,7 @@ class Session:
     peer: bytes  # the ZeroMQ routing id of the target's connection
     name: str
     user: str = ""  # the target's authenticated public key (star/security.py); "" without keys
+    local: bool = False  # the target runs on this host: its cores are the ones this server drafts on
     seq: DraftSequence | None = None  # draft state; None until a reset request, or after a failure
     draft: DraftConfig | None = None
     sampling: SamplingConfig | None = None
@@ -84,7 +85,7 @@ class Sessions:
     def __iter__(self):
         return iter(list(self._by_tag.values()))
 
-    def open(self, peer: bytes, hello: P.Hello, user: str = "") -> Session:
+    def open(self, peer: bytes, hello: P.Hello, user: str = "", local: bool = False) -> Session:
         """A new session for this connection (replacing its old one). Raises Refused."""
         if hello.version != P.PROTOCOL_VERSION:
             raise Refused("version", f"protocol version {hello.version} is not supported; "
@@ -98,11 +99,11 @@ class Sessions:
         if len(self._by_tag) >= self.cfg.max_sessions:
             raise Refused("too_many_sessions", f"the draft server holds its maximum of {self.cfg.max_sessions} "
                           "sessions; retry later or use another draft server")
-        s = Session(secrets.randbits(62) + 1, peer, hello.name, user)
+        s = Session(secrets.randbits(62) + 1, peer, hello.name, user, local)
         self._by_tag[s.tag] = s
         self._by_peer[peer] = s.tag
         self.stats.count("sessions_opened")
-        log.info("session %x opened for %s", s.tag, s.name)
+        log.info("session %x opened for %s%s", s.tag, s.name, " (on this host)" if local else "")
         return s
 
     def owned(self, peer: bytes, user: str, tag: int) -> Session:

@@ -24,6 +24,7 @@ from starsd.config import ServerConfig
 from starsd.errors import StarsdError, Unavailable
 from starsd.star import protocol as P
 from starsd.star import security
+from starsd.star.hosts import on_this_host
 from starsd.star.stats import ServerStats
 
 log = logging.getLogger("starsd.transport")
@@ -38,6 +39,7 @@ class Request:
     tensors: tuple
     received: float  # time.perf_counter() when the IO thread took it off the socket
     user: str = ""  # the peer's authenticated public key (star/security.py); "" without keys
+    local: bool = False  # the peer runs on this host (shares its cores): hosts.on_this_host
 
 
 class Transport:
@@ -58,6 +60,7 @@ class Transport:
         self._auth = None  # the CURVE authenticator's thread, when the server has keys
         self._outbox_addr = f"inproc://outbox-{id(self)}"
         self._thread = threading.Thread(target=self._run, name="starsd-io", daemon=True)
+        self._local: dict[bytes, bool] = {}  # peer -> on_this_host, per connection
 
     def start(self) -> None:
         """Bind and start the IO thread; raises a StarsdError if the address cannot be bound."""
@@ -148,7 +151,18 @@ class Transport:
             step = msg.step if isinstance(msg, P.DraftRequest) else -1
             return answer(P.Error("busy", "draft server queue is full; retry later", tag, step))
         user = security.peer_key(frames[1]) if self._auth else ""
-        self.q_in.put(Request(peer, msg, tensors, time.perf_counter(), user))
+        self.q_in.put(Request(peer, msg, tensors, time.perf_counter(), user, self._on_this_host(peer, frames[1])))
+
+    def _on_this_host(self, peer: bytes, frame: zmq.Frame) -> bool:
+        if peer not in self._local:
+            if len(self._local) >= 4096:  # connections come and go: forget them all now and then
+                self._local.clear()
+            try:
+                address = frame.get("Peer-Address")
+            except zmq.ZMQError:  # a transport without addresses (inproc)
+                address = None
+            self._local[peer] = on_this_host(address)
+        return self._local[peer]
 
 
 class Outbox:
