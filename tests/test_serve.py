@@ -97,6 +97,16 @@ def test_greedy_completion_equals_target_only_decoding(client, local):
     assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
 
 
+def test_a_request_may_decode_without_drafts_for_a_comparison(client, local):
+    prompt = "def add(a, b):"
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                      extra_body={"speculate": False})
+    ids = local.tokenizer.encode(prompt, add_special_tokens=False)
+    assert alone.choices[0].text == reference(local, ids, 40)
+    spec = alone.model_extra["spec_decode"]
+    assert spec["drafts"] == spec["draft_tokens"] == 0 and spec["target_steps"] == alone.usage.completion_tokens
+
+
 def test_chat_streamed_equals_chat_whole_and_target_only(client, local):
     messages = [{"role": "user", "content": "hello there"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)

@@ -3,9 +3,11 @@ queried with the official `openai` client.
 
 It starts `starsd serve` (a draft server, N target servers, the gateway), streams one chat answer
 to the screen as the target accepts it, then sends a few requests at once, one per target, and
-prints per request and for the system: tokens/s, the speculation (drafts, mean acceptance length)
-and the draft server's utilisation, from the gateway's /metrics. Writes JSON and a plot, and
-stops everything.
+the same requests again decoded without drafts (the `speculate: false` extension: the same star,
+the same processes, target-only decoding), and prints per request and for the system: tokens/s
+against target-only, the speculation (drafts, mean acceptance length), whether the text is the
+same, and the draft server's utilisation, from the gateway's /metrics. Writes JSON and a plot,
+and stops everything.
 """
 
 from __future__ import annotations
@@ -81,45 +83,62 @@ def _queries(console: Console, url: str, targets: int, max_tokens: int, json_out
                   f"{first:.1f} s[/dim]")
 
     prompts = humaneval()[:targets]
-    console.print(f"\n[bold]2. {len(prompts)} completions at once[/bold] (HumanEval prompts, greedy), one per target")
+    console.print(f"\n[bold]2. {len(prompts)} completions at once[/bold] (HumanEval prompts, greedy), one per target, "
+                  "with StarSD, then the same requests decoded without drafts (`\"speculate\": false`)")
     before = scrape(url)
-    t0 = time.perf_counter()
+    rows, system = _at_once(client, model, prompts, max_tokens, speculate=True)
+    after = scrape(url)
+    busy = after.get("starsd:draft_server_busy_seconds_total", 0) - before.get("starsd:draft_server_busy_seconds_total", 0)
+    system["draft_server_utilization"] = busy / system["seconds"]
+    alone_rows, alone = _at_once(client, model, prompts, max_tokens, speculate=False)
+    for r, a in zip(rows, alone_rows):
+        r["target_only_tokens_per_s"] = a["tokens_per_s"]
+        r["same_text_as_target_only"] = r["text"] == a["text"]
+    system["target_only_tokens_per_s"] = alone["tokens_per_s"]
+    _print_summary(console, rows, system)
+    write_json(json_out, {"model": model, "streamed_chat": streamed, "requests": rows, "system": system})
+    bar_plot(Path(json_out).with_suffix(".png"), ["target-only", "StarSD"],
+             [system["target_only_tokens_per_s"], system["tokens_per_s"]], ylabel="tokens / s",
+             title=f"{len(rows)} requests at once on {len(rows)} targets: system throughput")
+    return 0
 
+
+def _at_once(client, model: str, prompts, max_tokens: int, speculate: bool) -> tuple[list[dict], dict]:
+    """The prompts sent together, one request each; per request and system figures."""
     def complete(prompt):
         start = time.perf_counter()
-        r = client.completions.create(model=model, prompt=prompt.text, max_tokens=max_tokens, temperature=0)
+        r = client.completions.create(model=model, prompt=prompt.text, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"speculate": speculate})
         return prompt.id, r, time.perf_counter() - start
 
+    t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(complete, prompts))
     wall = time.perf_counter() - t0
-    after = scrape(url)
     rows = [{"request": pid, "tokens": r.usage.completion_tokens, "seconds": s,
              "tokens_per_s": r.usage.completion_tokens / s, "text": r.choices[0].text, **r.model_extra["spec_decode"]}
             for pid, r, s in answers]
-    busy = after.get("starsd:draft_server_busy_seconds_total", 0) - before.get("starsd:draft_server_busy_seconds_total", 0)
-    system = {"tokens": sum(r["tokens"] for r in rows), "seconds": wall,
-              "tokens_per_s": sum(r["tokens"] for r in rows) / wall, "draft_server_utilization": busy / wall}
-    _print_summary(console, rows, system)
-    write_json(json_out, {"model": model, "streamed_chat": streamed, "requests": rows, "system": system})
-    bar_plot(Path(json_out).with_suffix(".png"), [*(r["request"] for r in rows), "system"],
-             [*(r["tokens_per_s"] for r in rows), system["tokens_per_s"]], ylabel="tokens / s",
-             title=f"StarSD served: {len(rows)} requests at once on {len(rows)} targets")
-    return 0
+    tokens = sum(r["tokens"] for r in rows)
+    return rows, {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
 
 
 def _print_summary(console: Console, rows: list[dict], system: dict) -> None:
     table = Table(title="requests served at once")
-    for col in ("request", "tokens", "seconds", "tokens/s", "drafted steps", "mean acceptance length"):
+    for col in ("request", "tokens", "tokens/s", "target-only tokens/s", "speed-up", "drafted steps",
+                "mean acceptance length", "same text"):
         table.add_column(col, justify="right" if col != "request" else "left")
     for r in rows:
-        table.add_row(r["request"], str(r["tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
-                      f"{r['drafts']} of {r['target_steps']}", f"{r['mean_acceptance_length']:.2f}")
-    table.add_row("system", str(system["tokens"]), f"{system['seconds']:.1f}", f"{system['tokens_per_s']:.2f}", "", "",
-                  style="bold")
+        table.add_row(r["request"], str(r["tokens"]), f"{r['tokens_per_s']:.2f}", f"{r['target_only_tokens_per_s']:.2f}",
+                      f"{r['tokens_per_s'] / r['target_only_tokens_per_s']:.2f}x", f"{r['drafts']} of {r['target_steps']}",
+                      f"{r['mean_acceptance_length']:.2f}", "yes" if r["same_text_as_target_only"] else "no")
+    table.add_row("system", str(system["tokens"]), f"{system['tokens_per_s']:.2f}",
+                  f"{system['target_only_tokens_per_s']:.2f}",
+                  f"{system['tokens_per_s'] / system['target_only_tokens_per_s']:.2f}x", "", "", "", style="bold")
     console.print(table)
     console.print(f"draft server busy {system['draft_server_utilization']:.0%} of the time. A target drafts a step "
-                  "only when its own measurements say the draft pays (see README, How deep to draft).")
+                  "only when its own measurements say the draft pays (docs/scheduler.md). Greedy output is the "
+                  "target's own: the same text with and without drafts (bit-exact in float32; in bfloat16 a "
+                  "near-tie may round the other way).")
     for r in rows:
         console.print(f"\n[bold]{r['request']}[/bold]:")
         console.print(r["text"], highlight=False, markup=False)

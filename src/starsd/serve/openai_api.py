@@ -2,7 +2,9 @@
 
 Requests are checked here: a parameter StarSD does not honour gets an OpenAI-style 400 that names
 it, never silence. Parameters at their no-op value (n = 1, echo = false, penalties 0, ...) pass, as
-clients send some of them by default. `ignore_eos` is vLLM's extension (always decode max_tokens).
+clients send some of them by default. `ignore_eos` is vLLM's extension (always decode max_tokens);
+`speculate` is StarSD's (false: this request decodes alone on its target, the same answer at
+target-only speed, for a side-by-side comparison).
 Responses carry `usage` and, as vLLM's per-request figures do, the request's speculation:
 drafts, draft tokens, accepted tokens and the mean acceptance length (tokens per target step).
 """
@@ -55,6 +57,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    speculate: bool = True  # false: decode this request without drafts (target-only)
 
     def check(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -113,7 +116,7 @@ class CompletionRequest(_Common):
     def generate(self, stream_id: int, default_max: int) -> P.Generate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return P.Generate(stream_id, prompt, None, self.max_tokens or default_max, self.sampling(), self.stops,
-                          self.ignore_eos)
+                          self.ignore_eos, self.speculate)
 
 
 class TextPart(BaseModel):
@@ -156,7 +159,8 @@ class ChatRequest(_Common):
     def generate(self, stream_id: int, default_max: int) -> P.Generate:
         messages = tuple(P.Message(m.role, m.text()) for m in self.messages)
         limit = self.max_completion_tokens or self.max_tokens or default_max
-        return P.Generate(stream_id, None, messages, limit, self.sampling(), self.stops, self.ignore_eos)
+        return P.Generate(stream_id, None, messages, limit, self.sampling(), self.stops, self.ignore_eos,
+                          self.speculate)
 
 
 class Tally:

@@ -191,6 +191,7 @@ class Generate(msgspec.Struct, array_like=True, frozen=True):
     sampling: SamplingConfig
     stop: Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_STOPS)] = ()  # the text ends before the first of these
     ignore_eos: bool = False  # always decode max_tokens (load tests)
+    speculate: bool = True  # False: decode without drafts (target-only), e.g. to compare
 
 
 class Output(msgspec.Struct, array_like=True, frozen=True):

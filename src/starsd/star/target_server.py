@@ -143,7 +143,7 @@ class TargetServer:
             return self._send(peer, P.Error("context_length", f"the prompt ({len(ids)} tokens) plus max_tokens "
                                             f"({req.max_tokens}) exceed the context of {self.max_context}", req.id))
         eos = frozenset() if req.ignore_eos else self.pair.eos_ids
-        if self.drafter:
+        if self.drafter and req.speculate:
             steps = speculative_steps(self.pair.target, self.drafter, ids, req.max_tokens, self.draft, req.sampling,
                                       eos, self.policy)
         else:
