@@ -148,7 +148,7 @@ def test_sampling_keeps_the_target_law(dirs, local):
     exact = warp(local.target.score(seq, DraftTree.empty())[0], s)
     sampled = DraftConfig(depth=2, sample=True, adaptive=False, min_path_prob=0)
     seq = local.target.start(prompt, drafter.taps)
-    own = drafter.propose(drafter.start(prompt), [], sampled, s, features=seq.features).q[0]
+    own = drafter.propose(drafter.start(prompt), [], sampled, s, features=seq.features).q.dense(exact.shape[-1])[0]
     trials = 2000
     counts = collections.Counter(speculative(local.target, drafter, prompt, 1, sampled,
                                              SamplingConfig(temperature=1.0, top_k=6, seed=i)).token_ids[0]

@@ -22,10 +22,11 @@ def test_request_and_reply_round_trip_with_raw_tensors():
     hidden = torch.randn(3, 8, dtype=torch.bfloat16)
     msg, (t, h) = roundtrip(P.DraftRequest(5, 0, True, DRAFT, SAMPLING, 9, P.specs(tokens, hidden)), (tokens, hidden))
     assert msg.draft == DRAFT and msg.sampling == SAMPLING and torch.equal(t, tokens) and torch.equal(h, hidden)
-    q = torch.rand(2, 11)
-    tree = (torch.tensor([7, 8], dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32), q)
-    reply, (tok, par, q2) = roundtrip(P.DraftReply(5, 0, 0.1, 2.0, 3, P.specs(*tree)), tree)
-    assert reply.batch_size == 3 and torch.equal(par, tree[1]) and torch.equal(q2, q)
+    ids = torch.tensor([[7, 3, 9], [1, 8, 2]], dtype=torch.int32)
+    weights = torch.tensor([[0.5, 0.25, 0.25], [0.125, 0.875, 0.0]], dtype=torch.float16)
+    tree = (torch.tensor([7, 8], dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32), ids, weights)
+    reply, (tok, par, ids2, w2) = roundtrip(P.DraftReply(5, 0, 0.1, 2.0, 3, P.specs(*tree)), tree)
+    assert reply.batch_size == 3 and torch.equal(par, tree[1]) and torch.equal(ids2, ids) and torch.equal(w2, weights)
 
 
 def test_every_message_type_round_trips():
@@ -80,10 +81,38 @@ def test_payload_rules_are_enforced():
     bad(request(too_big), "bad_request")
     draft, sampling = dataclasses.asdict(DRAFT), dataclasses.asdict(SAMPLING)
     for wrong in (dict(depth=0), dict(depth=65), dict(top_k=0), dict(sample=True, top_k=2), dict(min_path_prob=1.0),
-                  dict(depth="4")):
+                  dict(depth="4"), dict(sample_top_k=0), dict(sample_top_k=257), dict(sample_top_p=0.0),
+                  dict(sample_top_p=float("nan"))):
         bad(with_settings(draft | wrong, sampling), "bad_settings")
     for wrong in (dict(top_p=0.0), dict(temperature=-1.0)):
         bad(with_settings(draft, sampling | wrong), "bad_settings")
+
+
+def test_a_sampled_reply_carries_a_q_whose_support_holds_each_token():
+    """q comes as int32 ids and float16 weights [n, K]: each row a distribution (finite, >= 0, not all
+    0) whose support holds its node's token, since that token was drawn from it."""
+    tokens, parents = torch.tensor([7, 8], dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32)
+
+    def reply(ids, weights):
+        tensors = (tokens, parents, ids, weights)
+        return [bytes(f) for f in P.encode(P.DraftReply(5, 0, 0.1, 2.0, 1, P.specs(*tensors)), tensors)]
+
+    ids = torch.tensor([[7, 3], [1, 8]], dtype=torch.int32)
+    weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]], dtype=torch.float16)
+    assert len(P.decode(reply(ids, weights))[1]) == 4
+    bad(reply(ids.flip(0), weights), "bad_reply")  # 7 is not in the second row, nor 8 in the first
+    bad(reply(ids, torch.tensor([[0.0, 1.0], [0.5, 0.5]], dtype=torch.float16)), "bad_reply")  # q(7) = 0
+    bad(reply(ids, weights.float()), "bad_reply")
+    bad(reply(ids.float(), weights), "bad_reply")
+    bad(reply(ids[:1], weights[:1]), "bad_reply")
+    bad(reply(ids, torch.tensor([[1.0, float("nan")], [0.5, 0.5]], dtype=torch.float16)), "bad_reply")
+    bad(reply(ids, torch.tensor([[1.0, -0.5], [0.5, 0.5]], dtype=torch.float16)), "bad_reply")
+    bad(reply(ids - 8, weights), "bad_reply")
+    wide = torch.full((2, 257), 8, dtype=torch.int32)
+    wide[0] = 7
+    bad(reply(wide, torch.ones(2, 257, dtype=torch.float16)), "bad_reply")  # past MAX_SAMPLE_TOP_K
+    tensors = (tokens, parents, ids)
+    bad([bytes(f) for f in P.encode(P.DraftReply(5, 0, 0.1, 2.0, 1, P.specs(*tensors)), tensors)], "bad_reply")
 
 
 def test_the_advertised_tree_cap_holds():

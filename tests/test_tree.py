@@ -5,11 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from starsd.spec.sparse_q import SparseQ
 from starsd.spec.tree import DraftTree, ancestor_mask, children, depths
 
 
 def t(xs):
     return torch.tensor(xs, dtype=torch.long)
+
+
+def q_of(n: int, k: int = 4) -> SparseQ:
+    """A q of n nodes, k slots each, every row its own (row i: ids 1000 i .. 1000 i + k - 1)."""
+    ids = torch.arange(n)[:, None] * 1000 + torch.arange(k)
+    return SparseQ(ids, (torch.arange(k) + 1.0).repeat(n, 1).half())
+
+
+def same_q(a: SparseQ, b: SparseQ) -> bool:
+    return torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights)
 
 
 # A tree whose shallow nodes are interleaved with deep ones in node order, so truncation keeps a
@@ -82,11 +93,11 @@ def test_two_dimensional_tokens_rejected():
 
 def test_q_row_count_must_match_nodes():
     with pytest.raises(ValueError, match="rows"):
-        DraftTree(t([1, 2]), t([-1, 0]), torch.full((3, 5), 0.2))
+        DraftTree(t([1, 2]), t([-1, 0]), q_of(3))
 
 
 def test_q_with_matching_rows_accepted():
-    q = torch.full((2, 5), 0.2)
+    q = q_of(2)
     tree = DraftTree(t([1, 2]), t([-1, 0]), q)
     assert tree.q is q
 
@@ -114,7 +125,7 @@ def test_chain_parents_and_tokens():
 
 
 def test_chain_from_tensor_and_q_passed_through():
-    q = torch.rand(3, 9)
+    q = q_of(3)
     tree = DraftTree.chain(torch.tensor([1, 2, 3]), q)
     assert tree.parents.tolist() == [-1, 0, 1]
     assert tree.q is q
@@ -128,7 +139,7 @@ def test_chain_single_and_empty():
 
 def test_chain_q_rows_checked():
     with pytest.raises(ValueError):
-        DraftTree.chain([1, 2, 3], torch.rand(2, 4))
+        DraftTree.chain([1, 2, 3], q_of(2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +148,7 @@ def test_chain_q_rows_checked():
 
 @pytest.mark.parametrize("max_depth", [0, 1, 2, 3, 4, 10])
 def test_truncate_keeps_depth_and_remaps_parents(max_depth):
-    q = torch.arange(7 * 4, dtype=torch.float32).reshape(7, 4)
+    q = q_of(7)
     tree = DraftTree(t(TOKENS), t(PARENTS), q)
     cut = tree.truncate(max_depth)
     kept = [i for i, d in enumerate(DEPTHS) if d <= max_depth]
@@ -145,7 +156,7 @@ def test_truncate_keeps_depth_and_remaps_parents(max_depth):
     assert len(cut) == len(kept)
     # Node order is preserved, tokens and q rows follow their nodes.
     assert cut.tokens.tolist() == [TOKENS[i] for i in kept]
-    assert torch.equal(cut.q, q[kept])
+    assert same_q(cut.q, q[t(kept)])
     # Depths are the original depths, all <= max_depth.
     assert depths(cut.parents).tolist() == [DEPTHS[i] for i in kept]
     # Parents are remapped: every kept node still hangs under the same token path.
@@ -165,19 +176,19 @@ def test_truncate_explicit_remap():
 
 
 def test_truncate_zero_gives_empty_tree():
-    tree = DraftTree(t(TOKENS), t(PARENTS), torch.rand(7, 3))
+    tree = DraftTree(t(TOKENS), t(PARENTS), q_of(7, 3))
     cut = tree.truncate(0)
     assert len(cut) == 0
-    assert cut.q is not None and cut.q.shape == (0, 3)
+    assert cut.q is not None and cut.q.ids.shape == (0, 3)
 
 
 def test_truncate_deep_enough_is_identity():
-    q = torch.rand(7, 3)
+    q = q_of(7, 3)
     tree = DraftTree(t(TOKENS), t(PARENTS), q)
     cut = tree.truncate(3)
     assert torch.equal(cut.tokens, tree.tokens)
     assert torch.equal(cut.parents, tree.parents)
-    assert torch.equal(cut.q, q)
+    assert same_q(cut.q, q)
 
 
 def test_truncate_without_q_keeps_q_none():
@@ -185,11 +196,11 @@ def test_truncate_without_q_keeps_q_none():
 
 
 def test_truncate_chain_is_prefix():
-    q = torch.rand(5, 4)
+    q = q_of(5)
     cut = DraftTree.chain([9, 8, 7, 6, 5], q).truncate(3)
     assert cut.tokens.tolist() == [9, 8, 7]
     assert cut.parents.tolist() == [-1, 0, 1]
-    assert torch.equal(cut.q, q[:3])
+    assert same_q(cut.q, q[t([0, 1, 2])])
 
 
 def test_truncate_empty_tree():
@@ -199,13 +210,13 @@ def test_truncate_empty_tree():
 @pytest.mark.parametrize("seed", range(5))
 def test_truncate_random_trees(seed):
     parents = random_tree(12, seed)
-    tree = DraftTree(torch.arange(100, 112), t(parents), torch.rand(12, 2))
+    tree = DraftTree(torch.arange(100, 112), t(parents), q_of(12, 2))
     d = depths(tree.parents).tolist()
     for max_depth in range(0, max(d) + 1):
         cut = tree.truncate(max_depth)
         kept = [i for i in range(12) if d[i] <= max_depth]
         assert cut.tokens.tolist() == [100 + i for i in kept]
-        assert torch.equal(cut.q, tree.q[kept])
+        assert same_q(cut.q, tree.q[t(kept)])
         for new, old in enumerate(kept):
             assert token_path(cut, new) == token_path(tree, old)
 
@@ -277,12 +288,12 @@ def test_children_inverts_parents(seed):
 # ---------------------------------------------------------------------------------------------
 
 def test_follow_gives_the_subtree_below_a_path_as_a_draft_of_its_own():
-    q = torch.arange(7 * 4, dtype=torch.float32).reshape(7, 4)
+    q = q_of(7)
     tree = DraftTree(t(TOKENS), t(PARENTS), q)
     assert torch.equal(tree.follow([]).tokens, tree.tokens) and torch.equal(tree.follow([]).parents, tree.parents)
     below = tree.follow([10])  # node 0: its children 1 (with 2 below) and 5
     assert below.tokens.tolist() == [11, 12, 15] and below.parents.tolist() == [-1, 0, -1]
-    assert torch.equal(below.q, q[[1, 2, 5]])
+    assert same_q(below.q, q[t([1, 2, 5])])
     assert tree.follow([13, 14]).tokens.tolist() == [16] and tree.follow([13, 14]).parents.tolist() == [-1]
     assert len(tree.follow([10, 11, 12])) == 0  # a leaf: nothing below
     assert len(tree.follow([11])) == 0 and len(tree.follow([10, 16])) == 0  # not a path from the root

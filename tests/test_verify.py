@@ -21,10 +21,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
+from lossless import assert_matches
 from starsd.spec import verify as V_
 from starsd.config import SamplingConfig
+from starsd.spec.sparse_q import SparseQ
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import (Verdict, make_generator, next_token, residual, verify, verify_greedy,
                            verify_stochastic, warp)
@@ -376,20 +377,30 @@ def draw(cum: list[float], u: float) -> int:
     return bisect.bisect_right(cum, u * cum[-1])
 
 
-def sampled_chain(Q, depth):
-    """Chain whose tokens are sampled from the draft Q, with q rows given. A chain seen before
-    (same root, same tokens) is the same DraftTree, built once."""
-    cum = cumulative(Q)
+def whole(Q: torch.Tensor) -> SparseQ:
+    """A Markov draft Q [V, V] as a SparseQ over the whole vocabulary: row a is the draft after token a."""
+    return SparseQ(torch.arange(Q.shape[-1]).repeat(Q.shape[0], 1), Q.half())
+
+
+def sampled_chain(Q: SparseQ, depth, told=None):
+    """Chain whose tokens are sampled from the draft Q (row a: the draft after token a, over its own
+    support), with the q rows they were drawn from given, or told(rows, contexts) of them: a broken
+    drafter's (`contexts`: each node's parent token). A chain seen before (same root, same tokens) is
+    the same DraftTree, built once."""
+    cum = cumulative(Q.probs)
+    ids = Q.ids.tolist()
     trees = {}
 
     def draft(root, g):
         toks, last = [], root
         for u in torch.rand(depth, generator=g, dtype=torch.float64).tolist():
-            last = draw(cum[last], u)
+            last = ids[last][draw(cum[last], u)]
             toks.append(last)
         key = (root, *toks)
         if key not in trees:
-            trees[key] = DraftTree.chain(toks, Q[[root, *toks[:-1]]])  # node i was sampled from Q[parent]
+            contexts = t([root, *toks[:-1]])
+            q = Q[contexts]  # node i was sampled from Q[parent]
+            trees[key] = DraftTree.chain(toks, q if told is None else told(q, contexts))
         return trees[key]
     return draft
 
@@ -438,7 +449,8 @@ def topk_tree(Q, k1, k2):
 def sampled_tree(Q, k1, k2):
     """SpecInfer tree: k1 siblings sampled i.i.d. from Q[root], each with k2 children sampled i.i.d.
     from Q[sibling]; q given per node. Duplicated siblings are allowed."""
-    cum = cumulative(Q)
+    Qs = whole(Q)
+    cum = cumulative(Qs.probs)
 
     def draft(last, g):
         us = iter(torch.rand(k1 * (1 + k2), generator=g, dtype=torch.float64).tolist())
@@ -453,7 +465,7 @@ def sampled_tree(Q, k1, k2):
                 toks.append(draw(cum[a], next(us)))
                 parents.append(me)
                 rows.append(a)
-        return DraftTree(t(toks), t(parents), Q[rows])
+        return DraftTree(t(toks), t(parents), Qs[t(rows)])
     return draft
 
 
@@ -501,46 +513,6 @@ def decode_pairs(Pw, drafter, trials, seed, root=ROOT):
     return out, accepted
 
 
-def tv(a: np.ndarray, b: np.ndarray) -> float:
-    return 0.5 * float(np.abs(a - b).sum())
-
-
-def gof_pvalue(counts: np.ndarray, expect: np.ndarray) -> float:
-    """Chi-square goodness of fit over the cells of positive probability (zero-probability cells are
-    checked separately); cells with expected count < 5 are pooled into one."""
-    pos = expect > 0
-    counts, e = counts[pos], expect[pos] * counts[pos].sum()
-    big = e >= 5
-    obs, exp = list(counts[big]), list(e[big])
-    if (~big).any():
-        obs.append(counts[~big].sum())
-        exp.append(e[~big].sum())
-    obs, exp = np.array(obs, dtype=float), np.array(exp, dtype=float)
-    exp *= obs.sum() / exp.sum()
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
-def assert_matches(name, counts, target, refs, max_tv, ratio=5.0, min_p=1e-4):
-    """vLLM-style check: the empirical law is close to the target and several times closer to it
-    than to any reference; it never hits a zero-probability outcome; and a chi-square test passes."""
-    counts = counts.reshape(-1).astype(float)
-    target = np.asarray(target, dtype=float).reshape(-1)
-    target = target / target.sum()
-    emp = counts / counts.sum()
-    d = tv(emp, target)
-    assert counts[target == 0].sum() == 0, f"{name}: emitted a token of target probability 0"
-    assert d < max_tv, f"{name}: TV to target {d:.4f} >= {max_tv}"
-    for rname, ref in refs.items():
-        ref = np.asarray(ref, dtype=float).reshape(-1)
-        ref = ref / ref.sum()
-        assert tv(target, ref) > 0.1, f"setup: reference {rname} too close to the target"
-        dr = tv(emp, ref)
-        assert d * ratio < dr, f"{name}: TV to target {d:.4f} not {ratio}x below TV to {rname} {dr:.4f}"
-    pv = gof_pvalue(counts, target)
-    assert pv > min_p, f"{name}: chi-square p-value {pv:.2e}"
-    return d
-
-
 def check_lossless(P, Q, drafter, trials, seed, s=T1, root=ROOT, min_accept_rate=0.2):
     """Decode with `drafter`; the first token must follow Pw[root] and the first two tokens the
     Markov joint Pw[root, a] * Pw[a, b], where Pw is the warped target."""
@@ -579,7 +551,7 @@ TRIALS = 25_000
 def test_lossless_chain_sampled_draft():
     """(a) Chain of depth 3 sampled from a different draft Q, q given."""
     P, Q = markov_pair(11)
-    check_lossless(P, Q, sampled_chain(Q, 3), TRIALS, seed=100)
+    check_lossless(P, Q, sampled_chain(whole(Q), 3), TRIALS, seed=100)
 
 
 def test_lossless_chain_argmax_draft():
@@ -622,7 +594,7 @@ def test_lossless_sampled_chain_with_disjoint_support():
     """(e) p has zeros that q puts mass on, q has zeros where p has mass; sampled chain with q given."""
     P, Q = markov_pair_with_zeros(15)
     assert (P == 0).any() and ((Q > 0) & (P == 0)).any() and ((Q == 0) & (P > 0)).any()
-    check_lossless(P, Q, sampled_chain(Q, 3), TRIALS, seed=105, min_accept_rate=0.1)
+    check_lossless(P, Q, sampled_chain(whole(Q), 3), TRIALS, seed=105, min_accept_rate=0.1)
 
 
 def test_lossless_deterministic_tree_with_zero_probability_candidates():
@@ -649,7 +621,37 @@ def test_lossless_check_has_power(monkeypatch):
     P, Q = markov_pair(11)
     monkeypatch.setattr(V_, "residual", lambda p, x, q: p)
     with pytest.raises(AssertionError, match="TV to target|chi-square") as err:
-        check_lossless(P, Q, sampled_chain(Q, 3), 15_000, seed=100)
+        check_lossless(P, Q, sampled_chain(whole(Q), 3), 15_000, seed=100)
+    assert "setup" not in str(err.value)
+
+
+def truncated_pair(seed: int) -> tuple[torch.Tensor, torch.Tensor, SparseQ]:
+    """P, Q and the draft's truncation of Q (sparse_q.py): each row's top 3 tokens, cut to those
+    reaching 90% of their mass. It drops a fifth of Q's mass: a q that is not the truncated one shows."""
+    P, Q = markov_pair(seed)
+    Qt = SparseQ.truncate(Q, top_k=3, top_p=0.9)
+    kept = (Q.gather(1, Qt.ids) * (Qt.weights > 0)).sum(1)  # Q's mass on each row's support
+    assert (Qt.weights > 0).sum(1).min() < 3 and float(kept.mean()) < 0.85  # top_p cut some rows too
+    return P, Q, Qt
+
+
+def test_lossless_chain_sampled_from_a_truncated_draft():
+    """(g) A sampled chain drawn from the draft's truncated q (its top-k, top-p support, in 16 bits),
+    verified with that q: the target law is kept whatever the truncation."""
+    P, _, Qt = truncated_pair(11)
+    check_lossless(P, Qt.dense(VOCAB), sampled_chain(Qt, 3), TRIALS, seed=110)
+
+
+@pytest.mark.parametrize("told", ["untruncated q", "q of another position"])
+def test_lossless_check_catches_a_q_other_than_the_one_drawn_from(told):
+    """The check has power against a drafter that sends a q other than the one each token was drawn
+    from: the draft's distribution before truncation (what the wire carried before it was truncated),
+    or the next node's q."""
+    P, Q, Qt = truncated_pair(11)
+    wrong = {"untruncated q": lambda q, contexts: whole(Q)[contexts],
+             "q of another position": lambda q, contexts: q[torch.arange(len(q)).roll(-1)]}[told]
+    with pytest.raises(AssertionError, match="TV to target|chi-square") as err:
+        check_lossless(P, Qt.dense(VOCAB), sampled_chain(Qt, 3, wrong), 15_000, seed=110)
     assert "setup" not in str(err.value)
 
 
@@ -667,12 +669,13 @@ def test_acceptance_rate_is_optimal_for_sampled_draft():
     """x ~ q with q given is accepted with probability sum_x min(p(x), q(x)) (the optimal rate, not the
     one-hot rate sum_x q(x) p(x), which is also lossless but wastes drafts)."""
     P, Q = markov_pair(11)
-    p, q = P[ROOT], Q[ROOT]
-    optimal = float(torch.minimum(p, q).sum())
-    one_hot = float((p * q).sum())
+    q = whole(Q[ROOT][None])
+    p = P[ROOT]
+    optimal = float(torch.minimum(p, q.probs[0]).sum())
+    one_hot = float((p * q.probs[0]).sum())
     assert optimal - one_hot > 0.1
-    drafts = [DraftTree.chain([x], q[None]) for x in range(VOCAB)]  # x ~ q, drawn below all at once
-    xs = torch.multinomial(q, 20_000, replacement=True, generator=make_generator(0, "cpu")).tolist()
+    drafts = [DraftTree.chain([x], q) for x in range(VOCAB)]  # x ~ q, drawn below all at once
+    xs = torch.multinomial(q.probs[0], 20_000, replacement=True, generator=make_generator(0, "cpu")).tolist()
     rate = acceptance_rate([drafts[x] for x in xs], p, 1)
     assert rate == pytest.approx(optimal, abs=0.015)
 
@@ -703,7 +706,7 @@ def test_stochastic_certain_acceptance_and_rejection():
     """p(x) = 1 accepts x always (and the bonus comes from the next row); p(x) = 0 never accepts it."""
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     g = make_generator(0, "cpu")
-    q = torch.full((2, 3), 1 / 3)
+    q = whole(torch.full((2, 3), 1 / 3))
     for tree in (DraftTree.chain([1, 2]), DraftTree.chain([1, 2], q)):
         for _ in range(50):
             assert verify_stochastic(tree, p, g) == Verdict([0, 1], [1, 2, 0])
@@ -737,7 +740,7 @@ def run_verdicts(seed: int, n: int = 300):
     draft sampling and verification sharing one seeded generator."""
     P, Q = markov_pair(20)
     g = make_generator(seed, "cpu")
-    drafts = [sampled_tree(Q, 3, 2), topk_tree(Q, 3, 2), sampled_chain(Q, 4)]
+    drafts = [sampled_tree(Q, 3, 2), topk_tree(Q, 3, 2), sampled_chain(whole(Q), 4)]
     out = []
     for i in range(n):
         tree = drafts[i % 3](i % VOCAB, g)
@@ -759,7 +762,7 @@ def test_different_seed_different_verdicts():
 def test_seeded_verify_independent_of_global_rng():
     """A seeded generator fully determines the verdicts; torch's global RNG state does not matter."""
     P, Q = markov_pair(21)
-    tree = sampled_chain(Q, 3)(0, make_generator(9, "cpu"))
+    tree = sampled_chain(whole(Q), 3)(0, make_generator(9, "cpu"))
     rows = target_rows(P, 0, tree)
 
     def run():

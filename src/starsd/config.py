@@ -24,6 +24,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 MAX_DRAFT_DEPTH = 64
 MAX_DRAFT_TOP_K = 16
 MAX_DRAFT_NODES = 256
+MAX_SAMPLE_TOP_K = 256  # a sampled node's support: its q takes 6 bytes a token on the wire, 1.5 KB at most
 MAX_SEED = (1 << 63) - 2  # a draft generator is seeded with seed + 1, which must fit an int64
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -132,6 +133,11 @@ class DraftConfig:
     top_k: int = setting(1, f"children expanded per node (1..{MAX_DRAFT_TOP_K}); 1 drafts a chain")
     total_tokens: int = setting(0, f"tree nodes kept after re-ranking (0: depth * top_k; at most {MAX_DRAFT_NODES})")
     sample: bool = setting(False, "chains only: sample draft tokens from the draft distribution q instead of taking its argmax")
+    sample_top_k: int = setting(64, f"sampled chains: q is the draft's top k tokens (1..{MAX_SAMPLE_TOP_K}), renormalised "
+                                "and held in 16 bits, the draft samples from exactly that, and the target verifies with "
+                                "it (6 bytes a token on the wire instead of 4 bytes for every token of the vocabulary)")
+    sample_top_p: float = setting(0.995, "sampled chains: q keeps of those top k only the smallest set of likeliest "
+                                  "tokens whose mass reaches this share of theirs (1: all k)")
     min_path_prob: float = setting(0.3, "stop deepening once the best frontier path's draft probability falls below this (0: draft the full depth)")
     adaptive: bool = setting(True, "choose each step's depth (at most depth; 0: decode the step alone) from the "
                              "stream's measured acceptance, draft wait and verify times; off: always `depth` "
@@ -155,6 +161,10 @@ class DraftConfig:
             raise SettingError(f"min_path_prob must be in [0, 1), not {self.min_path_prob}")
         if self.sample and self.top_k != 1:
             raise SettingError("sampled drafts are chains: use top_k = 1 with sample")
+        if not 1 <= self.sample_top_k <= MAX_SAMPLE_TOP_K:
+            raise SettingError(f"sample_top_k must be in 1..{MAX_SAMPLE_TOP_K}, not {self.sample_top_k}")
+        if not (math.isfinite(self.sample_top_p) and 0 < self.sample_top_p <= 1):
+            raise SettingError(f"sample_top_p must be in (0, 1], not {self.sample_top_p}")
 
     @property
     def is_chain(self) -> bool:

@@ -97,8 +97,10 @@ def valid_message(rng: random.Random) -> tuple[msgspec.Struct, tuple[torch.Tenso
         settings = (DraftConfig(depth=rng.randint(1, 8), top_k=rng.randint(1, 3)), SamplingConfig(seed=n))
         return P.DraftRequest(tag, n, reset, *(settings if reset else (None, None)), 9, P.specs(*tensors)), tensors
     if kind == P.MsgType.DRAFT_REPLY:
-        tree = (token_tensor(rng, n), torch.arange(-1, n - 1, dtype=torch.int32), torch.rand(n, VOCAB))
-        tensors = tree[:rng.randint(2, 3)]  # q: sampled drafts only
+        tokens = token_tensor(rng, n)
+        ids = torch.cat([tokens[:, None], token_tensor(rng, 3 * n).view(n, 3)], dim=1)  # each node's own token first
+        tree = (tokens, torch.arange(-1, n - 1, dtype=torch.int32), ids, torch.rand(n, 4).half() + 0.01)
+        tensors = tree[:rng.choice([2, 4])]  # q (ids, weights): sampled drafts only
         return P.DraftReply(tag, n, 0.5, 1.5, 2, P.specs(*tensors)), tensors
     return {
         P.MsgType.HELLO: P.Hello(P.PROTOCOL_VERSION, FINGERPRINT, "t"), P.MsgType.WELCOME: P.Welcome(tag, "s", 256),
@@ -551,7 +553,8 @@ def not_a_request(rng: random.Random, noise: Noise) -> Probe:
 
 def bad_hello(rng: random.Random, noise: Noise) -> Probe:
     if rng.random() < 0.5:
-        return Probe(frames(P.Hello(rng.choice([0, 1, 3, -1, 1 << 40]), FINGERPRINT, "noise")), "version")
+        return Probe(frames(P.Hello(rng.choice([0, P.PROTOCOL_VERSION - 1, P.PROTOCOL_VERSION + 1, -1, 1 << 40]),
+                                    FINGERPRINT, "noise")), "version")
     return Probe(frames(P.Hello(P.PROTOCOL_VERSION, rng.choice(["", "0" * 64, FINGERPRINT[:-1]]), "n")),
                  "vocab_mismatch")
 

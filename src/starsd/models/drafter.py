@@ -34,6 +34,7 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.models import forward as fw
 from starsd.models.eagle import EagleHead
 from starsd.models.kv import KV
+from starsd.spec.sparse_q import SparseQ
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import sample, warp
 
@@ -104,7 +105,7 @@ class Expansion:
     given: int = 0
     nodes: list[_Node] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)
-    qs: list[torch.Tensor] = field(default_factory=list)
+    qs: list[SparseQ] = field(default_factory=list)  # a sampled chain's: each level's q, one row
     level: int = 0
     root_feature: torch.Tensor | None = None  # EAGLE: the head's output at the last committed token
     second: list[int] = field(default_factory=list)  # a chain's runner-up token at each level
@@ -115,11 +116,13 @@ class Expansion:
         return self.root_feature if parent == ROOT else self.nodes[parent].feature
 
     def grow_sampled(self, parent: int, logits: torch.Tensor) -> None:
-        """A sampled chain's next node, drawn from the warped logits [V] below `parent`."""
+        """A sampled chain's next node below `parent`, drawn from the draft's truncation of its
+        warped logits [V] (SparseQ.truncate): exactly the q that goes with it to verification."""
         self.level += 1
-        q = warp(logits, self.sampling)
+        q = SparseQ.truncate(warp(logits, self.sampling)[None], self.cfg.sample_top_k, self.cfg.sample_top_p)
         self.qs.append(q)
-        self.nodes.append(_Node(sample(q, self.generator), parent, 0.0, self.level))
+        token = int(q.ids[0, sample(q.probs[0], self.generator)])
+        self.nodes.append(_Node(token, parent, 0.0, self.level))
         self.frontier = [len(self.nodes) - 1]
 
     def grow_top(self, parents: list[int], logp: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -147,7 +150,7 @@ class Expansion:
 
     def tree(self) -> DraftTree:
         if self.cfg.sample:
-            return DraftTree.chain([n.token for n in self.nodes], torch.stack(self.qs))
+            return DraftTree.chain([n.token for n in self.nodes], SparseQ.cat(self.qs))
         # Re-rank every candidate by its path score. A child never outscores its parent and a stable
         # sort keeps parents (created first) ahead of children on ties, so the kept set is a tree.
         order = sorted(range(len(self.nodes)), key=lambda i: -self.nodes[i].score)[: self.cfg.max_nodes]

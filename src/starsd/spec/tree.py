@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from starsd.spec.sparse_q import SparseQ
+
 
 @dataclass
 class DraftTree:
@@ -21,15 +23,15 @@ class DraftTree:
 
     tokens:  [n] int64, the drafted token of each node
     parents: [n] int64, parent node index, -1 for children of the root
-    q:       [n, V] float32 or None. q[i] is the draft distribution node i was *sampled* from. None
-             means every node was chosen deterministically (top-k / argmax): verification then treats
-             each node's q as one-hot on its token, which keeps the target distribution for any choice
-             of distinct siblings.
+    q:       SparseQ of n rows, or None. Row i is the draft distribution node i was *sampled* from,
+             over its own small support (sparse_q.py). None means every node was chosen
+             deterministically (top-k / argmax): verification then treats each node's q as one-hot on
+             its token, which keeps the target distribution for any choice of distinct siblings.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
-    q: torch.Tensor | None = None
+    q: SparseQ | None = None
 
     def __post_init__(self):
         n = self.tokens.shape[0]
@@ -37,14 +39,14 @@ class DraftTree:
             raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be [n]")
         if n and not bool((self.parents < torch.arange(n)).all() and (self.parents >= -1).all()):
             raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
-        if self.q is not None and self.q.shape[0] != n:
-            raise ValueError(f"q has {self.q.shape[0]} rows for {n} nodes")
+        if self.q is not None and len(self.q) != n:
+            raise ValueError(f"q has {len(self.q)} rows for {n} nodes")
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     @classmethod
-    def chain(cls, tokens: list[int] | torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, tokens: list[int] | torch.Tensor, q: SparseQ | None = None) -> "DraftTree":
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         return cls(tokens, torch.arange(tokens.shape[0]) - 1, q)
 

@@ -16,7 +16,9 @@ probability min(1, p(x) / q(x)); its output is distributed exactly as p. For sev
 children of one node the rule is applied to each in turn, the residual replacing p after each
 rejection (SpecInfer's multi-round rule). A deterministically chosen candidate (top-k, argmax) has
 q = one-hot: it is accepted with probability p(x), and the residual is p with x removed; this keeps
-the target distribution for any set of distinct siblings. Greedy decoding (temperature 0) reduces
+the target distribution for any set of distinct siblings. A sampled token's q is the draft's own
+truncated distribution, over a small support and in the very 16-bit values the token was drawn from
+(sparse_q.py): verification spreads it over the vocabulary only for a residual. Greedy decoding (temperature 0) reduces
 to exact argmax matching, so it reproduces target-only greedy decoding token for token.
 """
 
@@ -119,10 +121,12 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
 def verify_stochastic(tree: DraftTree, target_probs: torch.Tensor,
                       generator: torch.Generator | None) -> Verdict:
     """target_probs: [n+1, V] warped target distributions. Multi-round speculative sampling.
-    `generator` must be on target_probs' device; tree.q is moved there."""
+    `generator` must be on target_probs' device; tree.q is moved there, and a node's q is spread over
+    the vocabulary only where a rejection needs its residual."""
     device = target_probs.device  # the generator lives here too; q may arrive from elsewhere (the wire)
     q = None if tree.q is None else tree.q.to(device)
     tokens = tree.tokens.tolist()
+    q_own = [1.0] * len(tokens) if q is None else q.prob_of(tree.tokens).tolist()  # q of each node's token
     kids = children(tree.parents)
     path: list[int] = []
     row = 0
@@ -131,12 +135,11 @@ def verify_stochastic(tree: DraftTree, target_probs: torch.Tensor,
         accepted = None
         for c in kids[row]:
             x = tokens[c]
-            qx = 1.0 if q is None else float(q[c, x])
             u = float(torch.rand((), generator=generator, device=device))
-            if u * qx < float(p[x]):  # accept with probability min(1, p(x) / q(x))
+            if u * q_own[c] < float(p[x]):  # accept with probability min(1, p(x) / q(x))
                 accepted = c
                 break
-            p = residual(p, x, None if q is None else q[c])
+            p = residual(p, x, None if q is None else q.row(c, p.shape[-1]))
         if accepted is None:
             return Verdict(path, [tokens[c] for c in path] + [sample(p, generator)])
         path.append(accepted)

@@ -19,6 +19,7 @@ import zmq
 
 from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.errors import StarsdError
+from starsd.spec.sparse_q import SparseQ
 from starsd.spec.tree import DraftTree
 from starsd.star import protocol as P
 from starsd.star.hosts import shares_cores
@@ -593,8 +594,8 @@ class RemoteDrafter:
 
 
 def _tree(tensors: tuple) -> DraftTree:
-    """A DraftReply's frames as a draft: tokens, parents and, for a sampled draft, q."""
-    q = tensors[2].clone() if len(tensors) == 3 else None
+    """A DraftReply's frames as a draft: tokens, parents and, for a sampled draft, q's ids and weights."""
+    q = SparseQ(tensors[2].long(), tensors[3].clone()) if len(tensors) == 4 else None
     return DraftTree(tensors[0].long(), tensors[1].long(), q)
 
 

@@ -9,7 +9,9 @@ message that fails validation raises ProtocolError, which the server turns into 
 
 One draft iteration of a session:
   target -> server  DraftRequest(tag, step, tokens = committed since the last request [, features])
-  server -> target  DraftReply(tag, step, tokens, parents [, q])
+  server -> target  DraftReply(tag, step, tokens, parents [, q ids, q weights])
+A sampled draft's q travels as each node's support (spec/sparse_q.py): token ids int32 [n, K] and
+their float16 weights [n, K], the very values the draft sampled from.
 The first request of a generation stream carries reset=True, the whole prompt and the settings.
 A server that drafts with an EAGLE head says in its Welcome which target features it needs
 (`taps`); each request then carries, for each token, the target's feature of the position before
@@ -35,9 +37,10 @@ import msgspec
 import torch
 import zmq
 
-from starsd.config import DraftConfig, SamplingConfig
+from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 2  # 2: settings travel by name, as DraftConfig and SamplingConfig
+PROTOCOL_VERSION = 3  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+# travels as its support (ids and float16 weights), not as float32 [n, V]
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -53,7 +56,8 @@ MAX_MESSAGES = 1 << 14  # a Generate's chat messages: each costs template tokens
 # oversized one before building it: a header of millions of tiny items (tensor specs, a shape's
 # dimensions, messages) used to cost the IO thread seconds and gigabytes, and came back quoted
 # in an Error megabytes long.
-MAX_TENSORS = 3  # a draft reply's tokens, parents and q; a request's tokens, features and their scales
+MAX_TENSORS = 3  # a draft request's tokens, features and their scales
+MAX_REPLY_TENSORS = 4  # a draft reply's tokens, parents, q ids and q weights
 MAX_DTYPE_CHARS = 16
 MAX_TAPS = 8
 
@@ -93,6 +97,7 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
 
 
 TensorSpecs = Annotated[tuple[TensorSpec, ...], msgspec.Meta(max_length=MAX_TENSORS)]
+ReplySpecs = Annotated[tuple[TensorSpec, ...], msgspec.Meta(max_length=MAX_REPLY_TENSORS)]
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -125,7 +130,7 @@ class DraftReply(msgspec.Struct, array_like=True, frozen=True):
     queue_ms: float  # time the request waited in Q_in
     service_ms: float  # time the draft model spent on this request's batch
     batch_size: int  # sessions drafted together in that batch
-    tensors: TensorSpecs  # tokens int32 [n], parents int32 [n]; q float32 [n, V] if sampled
+    tensors: ReplySpecs  # tokens int32 [n], parents int32 [n]; if sampled, q: ids int32 [n, K], weights float16 [n, K]
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):
@@ -359,6 +364,24 @@ def _check_features(tensors: tuple[torch.Tensor, ...], m: int) -> None:
         raise ProtocolError("bad_request", "features must be finite")
 
 
+def _check_q(tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """A sampled draft's q: int32 ids and float16 weights [n, K], each row a distribution whose
+    support holds its node's token (a token drawn from q has q(token) > 0)."""
+    n = tokens.shape[0]
+    if ids.dtype != torch.int32 or weights.dtype != torch.float16 or ids.ndim != 2 or ids.shape != weights.shape:
+        raise ProtocolError("bad_reply", "q is int32 ids and float16 weights, both [n, K]")
+    rows, width = ids.shape
+    if rows != n or width > MAX_SAMPLE_TOP_K or (n > 0 and width == 0):
+        raise ProtocolError("bad_reply", f"q must be [{n}, 1..{MAX_SAMPLE_TOP_K}], not {list(ids.shape)}")
+    if not n:
+        return
+    w = weights.double()
+    if int(ids.min()) < 0 or not bool(torch.isfinite(w).all() and (w >= 0).all() and (w.sum(1) > 0).all()):
+        raise ProtocolError("bad_reply", "q's ids must be >= 0 and each row's weights finite, >= 0, not all 0")
+    if not bool(((ids == tokens[:, None]) & (weights > 0)).any(1).all()):
+        raise ProtocolError("bad_reply", "a sampled token lies outside its q's support")
+
+
 def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
     """Checks beyond types: sizes and the shape of each message's payload."""
     if isinstance(msg, DraftRequest):
@@ -384,5 +407,8 @@ def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
         if len(msg.stop) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in msg.stop):
             raise ProtocolError("bad_request", f"at most {MAX_STOPS} stop strings of 1..{MAX_STOP_CHARS} characters")
     elif isinstance(msg, DraftReply):
-        if len(tensors) not in (2, 3) or tensors[0].shape != tensors[1].shape or tensors[0].ndim != 1:
-            raise ProtocolError("bad_reply", "a draft reply carries tokens [n] and parents [n] (and q [n, V])")
+        if len(tensors) not in (2, 4) or tensors[0].shape != tensors[1].shape or tensors[0].ndim != 1:
+            raise ProtocolError("bad_reply", "a draft reply carries tokens [n] and parents [n] (and q's ids and "
+                                "weights [n, K])")
+        if len(tensors) == 4:
+            _check_q(tensors[0], tensors[2], tensors[3])

@@ -263,7 +263,7 @@ class DraftServer:
     def _reply(self, s: Session, req: Request, tree: DraftTree, start: float, end: float, batch_size: int) -> None:
         tensors = [tree.tokens.to(torch.int32), tree.parents.to(torch.int32)]
         if tree.q is not None:
-            tensors.append(tree.q.float())
+            tensors += [tree.q.ids.to(torch.int32), tree.q.weights]
         reply = P.DraftReply(s.tag, req.msg.step, (start - req.received) * 1e3, (end - start) * 1e3, batch_size,
                              P.specs(*tensors))
         self._outbox.send(s.peer, reply, tuple(tensors))
