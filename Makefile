@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# llama-cpp-python is a source package: its wheel is built once per CPU (for the host's instruction
+# set), ~15-20 min on 2 cores, and kept in a folder named after the CPU's flags.
+LLAMA  := llama-cpp-python==0.3.36
+WHEELS := $(HOME)/.cache/starsd-wheels/$(shell grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-12)
 
 .PHONY: demo test setup models bench bench-star clean
 
@@ -13,7 +17,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	ls $(WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { echo "building llama.cpp for this CPU (once, ~15-20 min)"; \
+	  CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip wheel -q --disable-pip-version-check --no-deps $(LLAMA) -w $(WHEELS); }
+	$(PY) -m pip install -q --disable-pip-version-check --find-links $(WHEELS) -e ".[dev]"
 	touch $(STAMP)
 
 models: $(STAMP)

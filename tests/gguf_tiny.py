@@ -67,14 +67,15 @@ def _tensor_table(vocab: int, tied: bool) -> list[tuple[str, str, tuple[int, ...
     return table
 
 
-def write_tiny_qwen2_gguf(path: Path, seed: int = 0, tie_embeddings: bool = False) -> dict[str, torch.Tensor]:
+def write_tiny_qwen2_gguf(path: Path, seed: int = 0, tie_embeddings: bool = False,
+                          context: int = 128) -> dict[str, torch.Tensor]:
     """Write the file; return the F32 weights written, keyed by their transformers parameter names.
 
     `tie_embeddings` leaves out output.weight: transformers then ties lm_head to the embeddings.
     """
     w = gguf.GGUFWriter(path, "qwen2")  # also writes general.architecture
     w.add_name("tiny-qwen2")
-    w.add_context_length(128)
+    w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(FFN)

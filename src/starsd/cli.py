@@ -210,7 +210,7 @@ def cmd_target_server(args) -> int:
     serving_keys = C.from_args(C.ServingKeys, args)
     security.check_listen(args.bind, serving_keys.serve_key, serving_keys.serve_clients, args.insecure)
 
-    from starsd.models.loading import logits_width, vocab_fingerprint
+    from starsd.models.loading import vocab_fingerprint
     from starsd.models.pair import Pair
     from starsd.star.client import DraftClient
     from starsd.star.target_server import TargetServer
@@ -219,7 +219,7 @@ def cmd_target_server(args) -> int:
     pair = Pair.load(cfg.target_model(), None, cfg.cache, cfg.threads)
     client = None
     if args.connect:
-        client = DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)),
+        client = DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, pair.target.width),
                              args.name, args.timeout, keys=client_keys)
         client.try_hello()
     server = TargetServer(pair, args.bind, client, draft, args.name, args.served_model_name or cfg.target,
@@ -469,6 +469,8 @@ BENCHES = {  # name: (help, module with add_args and main)
     "distributed": ("one target: draft server over loopback vs co-located", "starsd.bench.distributed"),
     "depth": ("the default depth policy vs fixed depths, co-located and through a draft server, greedy and sampled",
               "starsd.bench.depth"),
+    "llamacpp": ("a llama.cpp target: alone, with StarSD co-located and from a draft server on a core of its own, "
+                 "and llama.cpp's own speculation", "starsd.bench.llamacpp"),
     "service": ("the draft server's batch time S(b) by batch size, against the bare model's passes",
                 "starsd.bench.service"),
     "scale": ("throughput, utilisation and latency vs N targets (replay targets), with baselines",

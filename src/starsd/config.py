@@ -28,6 +28,7 @@ MAX_SAMPLE_TOP_K = 256  # a sampled node's support: its q takes 6 bytes a token 
 MAX_SEED = (1 << 63) - 2  # a draft generator is seeded with seed + 1, which must fit an int64
 
 DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("transformers", "llamacpp")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -60,8 +61,16 @@ class ModelConfig:
     dtype: str = setting("bfloat16", "float32 (bit-exact tests) or bfloat16 (fast)", choices=DTYPES)
     quantize: str = setting("none", "int8: dynamic int8 weights for every linear layer (CPU only; a draft "
                             "stays lossless, since the target verifies it)", choices=("none", "int8"))
+    engine: str = setting("transformers", "what runs it", choices=ENGINES)
+    context: int = setting(0, "llama.cpp: the context's size in tokens (0: the model's trained context)")
 
     def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise SettingError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.context < 0:
+            raise SettingError(f"context must be >= 0, not {self.context}")
+        if self.engine == "llamacpp" and not self.device.startswith("cpu"):
+            raise SettingError("the llama.cpp target engine runs on the CPU (--device cpu)")
         if self.dtype not in DTYPES:
             raise SettingError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.quantize not in ("none", "int8"):
@@ -88,6 +97,11 @@ class PairConfig:
                                   "passes on a CPU; lossless, the target verifies every draft), none, or auto: "
                                   "int8 on a CPU, none elsewhere", choices=("auto", "none", "int8"))
     cache_dir: str = setting("", "model cache (empty: $STARSD_CACHE or ~/.cache/starsd)")
+    target_engine: str = setting("transformers", "what runs the target: transformers, or llamacpp (llama.cpp on "
+                                 "the target's GGUF file, as llama.cpp users run it; the CPU; `make setup` builds it)",
+                                 choices=ENGINES)
+    target_context: int = setting(0, "llama.cpp target: its context in tokens, prompt and answer (0: the model's "
+                                  "trained context; its KV cache is allocated whole at start)")
     threads: int = setting(0, "torch CPU threads (0: torch's default, all cores; in a local star, `launch` or "
                            "`serve`, an equal share of the cores for each of its processes)")
 
@@ -99,7 +113,8 @@ class PairConfig:
 
     def target_model(self) -> ModelConfig:
         """The target runs as given: it is never quantised."""
-        return ModelConfig(self.target, self.device, resolve_dtype(self.dtype, self.device))
+        return ModelConfig(self.target, self.device, resolve_dtype(self.dtype, self.device), engine=self.target_engine,
+                           context=self.target_context)
 
     def draft_model(self) -> ModelConfig:
         device = self.draft_device or self.device

@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 
 from starsd import config as C
-from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_panels, summary, write_json
@@ -71,7 +71,7 @@ def main(args) -> int:
         pair = Pair.load(cfg.target_model(), cfg.draft_model(), cfg.cache, cfg.threads)
         remote = None
         if star:
-            client = DraftClient(star.address, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)),
+            client = DraftClient(star.address, vocab_fingerprint(pair.tokenizer, pair.target.width),
                                  "bench")
             client.hello()
             remote = RemoteDrafter(client)

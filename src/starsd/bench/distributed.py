@@ -14,12 +14,11 @@ import statistics
 import threading
 import time
 
-import torch
 import zmq
 
 from starsd import config as C
 from starsd.bench.harness import serialisation_ms
-from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_plot, summary, write_json
@@ -73,7 +72,7 @@ def main(args) -> int:
     star = start_server(cfg)
     try:
         pair = Pair.load(cfg.target_model(), cfg.draft_model(), cfg.cache, cfg.threads)
-        client = DraftClient(star.address, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)), "bench")
+        client = DraftClient(star.address, vocab_fingerprint(pair.tokenizer, pair.target.width), "bench")
         client.hello()
         remote = RemoteDrafter(client)
         rows = []

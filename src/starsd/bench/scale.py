@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch

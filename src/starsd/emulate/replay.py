@@ -25,7 +25,7 @@ import torch
 
 from starsd.config import ModelConfig, SamplingConfig
 from starsd.models import pinned
-from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.loading import vocab_fingerprint
 from starsd.prompts import Prompt
 from starsd.spec.tree import DraftTree, depths
 from starsd.spec.verify import Verdict
@@ -133,7 +133,7 @@ def record(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int, 
     from starsd.models.pair import Pair  # transformers: only where the real target runs, not in replay hosts
 
     pair = Pair.load(target_cfg, None, cache, threads)
-    width = logits_width(pair.target.model)
+    width = pair.target.width
     rec = Recording(target_cfg.path, target_cfg.dtype, max_new_tokens, vocab_fingerprint(pair.tokenizer, width),
                     width, sorted(pair.eos_ids))
     for i, prompt in enumerate(prompts):

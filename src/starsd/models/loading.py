@@ -35,6 +35,8 @@ def load_tokenizer(path: str, cache: str | None = None):
 
     where = resolve(path, cache)
     try:
+        if where.endswith(".gguf"):  # a bare GGUF file carries its tokenizer
+            return AutoTokenizer.from_pretrained(str(Path(where).parent), gguf_file=Path(where).name)
         return AutoTokenizer.from_pretrained(where)
     except Exception as e:  # transformers raises OSError, ValueError, HF hub errors ...
         raise ModelLoadError(_not_found(path, e)) from e
@@ -157,10 +159,21 @@ def _target_ends(target: ModelConfig, cache: str | None):
     return config, embed, head
 
 
-def eos_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
-    """Every token that ends a generation: the tokenizer's EOS and the model's generation config's."""
+def generation_config(path: str, cache: str | None = None):
+    """The generation config beside a model's weights (None if it has none)."""
+    from transformers import GenerationConfig
+
+    where = Path(resolve(path, cache))
+    try:
+        return GenerationConfig.from_pretrained(where.parent if where.is_file() else where)
+    except Exception:  # none there: the tokenizer's EOS alone
+        return None
+
+
+def eos_ids(generation, tokenizer) -> frozenset[int]:
+    """Every token that ends a generation: the tokenizer's EOS and the generation config's."""
     ids = set()
-    cfg_eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    cfg_eos = generation.eos_token_id if generation is not None else None
     for e in (tokenizer.eos_token_id, cfg_eos):
         if isinstance(e, int):
             ids.add(e)

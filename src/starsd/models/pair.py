@@ -8,7 +8,10 @@ import torch
 
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig
 from starsd.models.drafter import Drafter
-from starsd.models.loading import check_pair, eos_ids, load_eagle, load_model, load_tokenizer, logits_width
+from starsd.errors import StarsdError
+from starsd.models.llamacpp import LlamaCppTarget
+from starsd.models.loading import (check_pair, eos_ids, generation_config, load_eagle, load_model, load_tokenizer,
+                                   logits_width)
 from starsd.models.target import TargetModel
 from starsd.prompts import Prompt
 from starsd.spec.decode import Generation, speculative, target_only
@@ -16,7 +19,7 @@ from starsd.spec.decode import Generation, speculative, target_only
 
 @dataclass
 class Pair:
-    target: TargetModel
+    target: TargetModel | LlamaCppTarget
     drafter: Drafter | None
     tokenizer: object
     eos_ids: frozenset[int]
@@ -29,16 +32,23 @@ class Pair:
         if threads:
             torch.set_num_threads(threads)
         tokenizer = load_tokenizer(target_cfg.path, cache)
-        target = load_model(target_cfg, cache)
+        if target_cfg.engine == "llamacpp":
+            if eagle is not None:
+                raise StarsdError("EAGLE heads draft from the target's hidden states: use --target-engine transformers")
+            target = LlamaCppTarget.load(target_cfg, cache, threads)
+            generation = generation_config(target_cfg.path, cache)
+        else:
+            model = load_model(target_cfg, cache)
+            target, generation = TargetModel(model), model.generation_config
         drafter = None
         if eagle is not None:
-            drafter = Drafter(load_eagle(eagle, target_cfg, cache, target))
+            drafter = Drafter(load_eagle(eagle, target_cfg, cache, target.model))
         elif draft_cfg is not None:
             draft_tok = load_tokenizer(draft_cfg.path, cache)
             draft = load_model(draft_cfg, cache)
-            check_pair(tokenizer, logits_width(target), draft_tok, logits_width(draft))
+            check_pair(tokenizer, target.width, draft_tok, logits_width(draft))
             drafter = Drafter(draft)
-        return cls(TargetModel(target), drafter, tokenizer, eos_ids(target, tokenizer))
+        return cls(target, drafter, tokenizer, eos_ids(generation, tokenizer))
 
     def generate(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingConfig,
                  draft: DraftConfig | None, drafter=None) -> Generation:

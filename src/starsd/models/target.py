@@ -31,12 +31,25 @@ class TargetSequence:
 
 
 class TargetModel:
+    """A target on transformers. models/llamacpp.py's LlamaCppTarget has the same interface: start,
+    score, commit, device, width and max_context."""
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
     @property
     def device(self) -> torch.device:
         return fw.device_of(self.model)
+
+    @property
+    def width(self) -> int:
+        """Logits per position: the vocabulary the target scores."""
+        return self.model.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a stream may hold, prompt and answer."""
+        return int(getattr(self.model.config, "max_position_embeddings", 32768))
 
     def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None) -> TargetSequence:
         """Prefill the prompt (all but its last token, which becomes the pending root)."""

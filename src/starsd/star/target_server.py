@@ -45,7 +45,7 @@ class TargetServer:
         self.policy = DepthPolicy(draft.depth)
         self.name = name
         self.model = model
-        self.max_context = int(getattr(pair.target.model.config, "max_position_embeddings", 32768))
+        self.max_context = pair.target.max_context
         self.stopping = threading.Event()
         self._counters = {"name": name, "streams": 0, "tokens": 0, "steps": 0, "drafts": 0, "draft_tokens": 0,
                           "accepted_tokens": 0, "busy_seconds": 0.0, "running": False}

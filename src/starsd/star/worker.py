@@ -11,7 +11,7 @@ import sys
 import time
 
 from starsd.config import ClientKeys, DraftConfig, PairConfig, SamplingConfig
-from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
 from starsd.spec.decode import speculative, target_only
@@ -28,7 +28,7 @@ def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_token
     starts every target's decoding at the same moment)."""
     pair = Pair.load(pair_cfg.target_model(), None, pair_cfg.cache, pair_cfg.threads)
     eos = frozenset() if ignore_eos else pair.eos_ids
-    client = DraftClient(connect, vocab_fingerprint(pair.tokenizer, logits_width(pair.target.model)), name, timeout_s,
+    client = DraftClient(connect, vocab_fingerprint(pair.tokenizer, pair.target.width), name, timeout_s,
                          keys=keys)
     try:
         if not no_spec:

@@ -1,0 +1,221 @@
+"""A llama.cpp target, as a person who runs llama.cpp would meet StarSD: against llama.cpp decoding
+alone, and against llama.cpp's own draft-model speculation, side by side in one run.
+
+Modes, each per prompt, in an order rotated per prompt (drift in the machine's speed hits all alike):
+- `alone`: the llama.cpp target decoding one token a pass (what llama.cpp's generation does), on
+  both cores;
+- `colocated`: StarSD with the draft model in the target's process, its defaults (the adaptive
+  depth policy), both cores shared by the two;
+- `alone-1core` and `star-1core`: two one-core hosts emulated with CPU affinity: the target on core 0
+  with one thread, alone, and with drafts from a draft-server process (its defaults, one thread)
+  pinned to core 1, over loopback, as from a machine of its own;
+- `llama-speculative` (with --llama-speculative): llama.cpp's own `llama-speculative-simple`, built
+  from the same llama.cpp as the engine, with the 0.5B draft's GGUF, on both cores.
+
+Each StarSD mode's greedy output is compared with its engine's target-only output on the same cores:
+the share of prompts equal, and for each divergence its position and llama.cpp's top-2 logit margin
+there (the engine's batched and single-token kernels round differently: every divergence must be at
+a near-tie). Tokens/s are the decoding's, after the prompt's first step (the prefill costs every mode
+alike); llama-speculative-simple reports its own decoding speed, after its prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing
+import os
+import re
+import subprocess
+import tempfile
+
+from starsd import config as C
+from starsd.prompts import load as load_prompts
+from starsd.results import Steps, bar_panels, summary, write_json
+
+NEAR_TIE = 0.25  # a top-2 logit margin below this may round either way between llama.cpp's kernels
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", default="chat", help="prompt set: humaneval or chat")
+    p.add_argument("--offset", type=int, default=8, help="first prompt of the set (the depth policy was tuned "
+                   "on the first ones)")
+    p.add_argument("--limit", type=int, default=4, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
+    p.add_argument("--modes", default="alone,colocated,alone-1core,star-1core",
+                   help="comma-separated: alone, colocated, alone-1core, star-1core")
+    p.add_argument("--llama-speculative", default="", help="llama.cpp's llama-speculative-simple binary: run it too")
+    p.add_argument("--llama-draft-max", type=int, default=3, help="its --draft-max (tokens drafted a step)")
+    p.add_argument("--json-out", default="results/llamacpp.json", help="results as JSON here, the plot beside it")
+    C.add_flags(p, C.PairConfig)
+    p.set_defaults(target_engine="llamacpp", threads=0)
+
+
+RUNNERS = {"alone": "both", "colocated": "both", "alone-1core": "core0", "star-1core": "core0"}
+BASELINE = {"colocated": "alone", "star-1core": "alone-1core"}
+
+
+def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server: str) -> None:
+    """A child process on `cores` (its threads inherit the affinity): a llama.cpp target, and the
+    draft model or a draft server's drafts; it decodes what the parent sends."""
+    os.sched_setaffinity(0, cores)
+    import torch
+
+    from starsd.models.loading import vocab_fingerprint
+    from starsd.models.pair import Pair
+    from starsd.spec.decode import speculative, target_only
+    from starsd.spec.tree import DraftTree
+    from starsd.star.client import DraftClient, RemoteDrafter
+
+    torch.set_num_threads(len(cores))
+    loaded = Pair.load(pair.target_model(), pair.draft_model() if with_draft else None, pair.cache, len(cores))
+    drafter = loaded.drafter
+    if server:
+        client = DraftClient(server, vocab_fingerprint(loaded.tokenizer, loaded.target.width), "bench")
+        client.hello()
+        drafter = RemoteDrafter(client)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        kind, ids, n = job
+        if kind == "margin":
+            top = loaded.target.score(loaded.target.start(ids), DraftTree.empty())[0].topk(2).values
+            conn.send(float(top[0] - top[1]))
+            continue
+        greedy = C.SamplingConfig(temperature=0.0)
+        if kind == "alone":
+            gen = target_only(loaded.target, ids, n, greedy, loaded.eos_ids)
+        else:
+            gen = speculative(loaded.target, drafter, ids, n, C.DraftConfig(), greedy, loaded.eos_ids)
+        conn.send({"token_ids": gen.token_ids, "decoded": len(gen.token_ids) - gen.trace[0][1],
+                   "decode_s": gen.trace[-1][0] - gen.trace[0][0], "steps": gen.num_steps,
+                   "mean_accepted": gen.mean_accepted, "drafted_steps": sum(1 for d in gen.depths if d)})
+
+
+class Runner:
+    def __init__(self, cores: set[int], pair: C.PairConfig, with_draft: bool, server: str = ""):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_runner, args=(child, cores, pair, with_draft, server), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(600) or self.conn.recv() != "ready":
+            raise RuntimeError("a benchmark runner did not start")
+
+    def ask(self, kind: str, ids: list[int], n: int = 0):
+        self.conn.send((kind, ids, n))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(30)
+
+
+def llama_speculative(binary: str, target: str, draft: str, text: str, n: int, draft_max: int) -> dict:
+    """One prompt through llama.cpp's llama-speculative-simple (greedy, both cores): its own figures."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        cmd = [binary, "-m", target, "-md", draft, "-f", f.name, "-n", str(n), "--temp", "0", "-t", "2", "-td", "2",
+               "-c", "4096", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    log = out.stdout + out.stderr
+    speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
+    accept = re.search(r"accept\s*=\s*([\d.]+)%", log)
+    if out.returncode != 0 or not speed:
+        raise RuntimeError(f"{binary} failed ({out.returncode}): {log.strip().splitlines()[-3:]}")
+    return {"decoded": int(speed.group(1)), "decode_s": float(speed.group(2)),
+            "accepted_share": float(accept.group(1)) / 100 if accept else None, "command": " ".join(cmd[:1] + cmd[3:4])}
+
+
+def main(args) -> int:
+    from starsd.models.llamacpp import gguf_file
+    from starsd.models.loading import load_tokenizer
+    from starsd.star.launch import start_server
+
+    pair = C.from_args(C.PairConfig, args)
+    modes = args.modes.split(",")
+    prompts = load_prompts(args.prompts)[args.offset:args.offset + args.limit]
+    tokenizer = load_tokenizer(pair.target, pair.cache)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 and any(RUNNERS[m] == "core0" for m in modes):
+        raise C.SettingError("the one-core modes need two cores")
+    runners: dict[str, Runner] = {}
+    star = None
+    try:
+        if any(RUNNERS[m] == "both" for m in modes):
+            runners["both"] = Runner(set(cores[:2]), dataclasses.replace(pair, threads=2), "colocated" in modes)
+        if any(RUNNERS[m] == "core0" for m in modes):
+            if "star-1core" in modes:  # a draft host of its own: its one core, pre-drafting as on any other host
+                star = start_server(dataclasses.replace(pair, threads=1), C.ServerConfig(predraft_cohosted=True),
+                                    prefix=["taskset", "-c", str(cores[1])])
+            runners["core0"] = Runner({cores[0]}, dataclasses.replace(pair, threads=1), False,
+                                      star.address if star else "")
+        order = list(modes) + (["llama-speculative"] if args.llama_speculative else [])
+        runs: dict[str, list[dict]] = {m: [] for m in order}
+        with Steps("bench llamacpp", len(prompts) * len(order)) as steps:
+            for i, prompt in enumerate(prompts):
+                ids = prompt.encode(tokenizer)
+                k = i % len(order)
+                for mode in order[k:] + order[:k]:
+                    steps.begin(f"{mode}, prompt {i + 1}/{len(prompts)}")
+                    if mode == "llama-speculative":
+                        r = llama_speculative(args.llama_speculative, str(gguf_file(pair.target, pair.cache)),
+                                              str(gguf_file(pair.draft, pair.cache)),
+                                              tokenizer.decode(ids), args.max_new_tokens, args.llama_draft_max)
+                    else:
+                        r = runners[RUNNERS[mode]].ask("alone" if mode.startswith("alone") else "spec", ids,
+                                                       args.max_new_tokens)
+                    r["prompt"] = prompt.id
+                    runs[mode].append(r)
+                    steps.end(f"{mode}, prompt {i + 1}: {r['decoded'] / r['decode_s']:.2f} tok/s")
+            divergences = []
+            for mode, base in BASELINE.items():
+                if mode not in runs or base not in runs:
+                    continue
+                for i, (r, b) in enumerate(zip(runs[mode], runs[base])):
+                    at = next((j for j, (x, y) in enumerate(zip(r["token_ids"], b["token_ids"])) if x != y), None)
+                    if at is None and len(r["token_ids"]) != len(b["token_ids"]):
+                        at = min(len(r["token_ids"]), len(b["token_ids"]))
+                    r["equal"] = at is None
+                    if at is not None:
+                        margin = runners[RUNNERS[mode]].ask("margin", prompts[i].encode(tokenizer) + b["token_ids"][:at])
+                        divergences.append({"mode": mode, "prompt": r["prompt"], "position": at, "margin": margin,
+                                            "near_tie": margin < NEAR_TIE})
+    finally:
+        for r in runners.values():
+            r.close()
+        if star:
+            star.close()
+    rate = {m: sum(r["decoded"] for r in rs) / sum(r["decode_s"] for r in rs) for m, rs in runs.items()}
+    points = {m: {"tokens_per_s": rate[m], "runs": rs} for m, rs in runs.items()}
+    for mode, base in BASELINE.items():
+        if mode in rate and base in rate:
+            points[mode]["vs_alone"] = rate[mode] / rate[base]
+            points[mode]["equal_share"] = sum(r["equal"] for r in runs[mode]) / len(runs[mode])
+    if "llama-speculative" in rate and "alone" in rate:
+        points["llama-speculative"]["vs_alone"] = rate["llama-speculative"] / rate["alone"]
+    result = {"benchmark": "llamacpp", "target": pair.target, "draft": pair.draft, "prompts": args.prompts,
+              "offset": args.offset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "cpu_flags": _cpu_kind(), "llama_draft_max": args.llama_draft_max, "modes": points,
+              "divergences": divergences}
+    write_json(args.json_out, result)
+    png = str(args.json_out).rsplit(".", 1)[0] + ".png"
+    bar_panels(png, [{"labels": list(rate), "values": [round(v, 2) for v in rate.values()], "ylabel": "tokens / s",
+                      "title": f"llama.cpp target, {len(prompts)} {args.prompts} prompts, greedy"}])
+    rows = []
+    for m, p in points.items():
+        vs = p.get("vs_alone")
+        rows.append([m, f"{p['tokens_per_s']:.2f}", f"{vs:.2f}x" if vs else "",
+                     f"{p['equal_share']:.0%}" if "equal_share" in p else ""])
+    summary(f"bench llamacpp: {len(prompts)} {args.prompts} prompts from #{args.offset}, {args.max_new_tokens} tokens, "
+            f"greedy, {_cpu_kind()}; decoding tokens/s after the first step",
+            ["mode", "tokens/s", "vs alone on the same cores", "greedy output equal"], rows,
+            facts={"divergences": ", ".join(f"{d['mode']} {d['prompt']} at {d['position']} (margin {d['margin']:.3f})"
+                                            for d in divergences) or "none"},
+            files={"JSON": args.json_out, "plot": png})
+    return 0 if all(d["near_tie"] for d in divergences) else 1
+
+
+def _cpu_kind() -> str:
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "x86"

@@ -1,0 +1,39 @@
+"""`starsd bench llamacpp` end to end on a tiny GGUF: the llama.cpp target alone and with StarSD
+drafts, co-located and from a draft-server process on a core of its own, with the greedy outputs
+compared."""
+
+import json
+import os
+
+import pytest
+
+from gguf_tiny import EOS_TOKEN_IDS, write_tiny_qwen2_gguf
+from starsd import cli
+from starsd.models.pinned import convert_gguf
+
+if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is a failure there
+    pytest.importorskip("llama_cpp")
+
+
+def test_bench_llamacpp_runs_every_mode_and_compares_outputs(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the one-core modes need two cores")
+    gguf = tmp_path / "src" / "model.gguf"
+    gguf.parent.mkdir()
+    write_tiny_qwen2_gguf(gguf, seed=3, context=2048)
+    model = tmp_path / "model"  # the tokenizer and the draft (transformers) beside the GGUF (the target)
+    convert_gguf(gguf, model, EOS_TOKEN_IDS)
+    gguf.rename(model / "model.gguf")
+    out = tmp_path / "llamacpp.json"
+    code = cli.main(["bench", "llamacpp", "--prompts", "humaneval", "--offset", "0", "--limit", "2",
+                     "--max-new-tokens", "12", "--json-out", str(out), "--target", str(model), "--draft", str(model),
+                     "--dtype", "float32", "--draft-quantize", "none"])
+    result = json.loads(out.read_text())
+    modes = result["modes"]
+    assert set(modes) == {"alone", "colocated", "alone-1core", "star-1core"}
+    assert all(m["tokens_per_s"] > 0 and len(m["runs"]) == 2 for m in modes.values())
+    for mode in ("colocated", "star-1core"):
+        assert 0 <= modes[mode]["equal_share"] <= 1 and modes[mode]["vs_alone"] > 0
+    # the draft is the target's own weights: its drafts are taken, and every divergence is a near-tie
+    assert all(d["near_tie"] for d in result["divergences"]) and code == 0
+    assert (tmp_path / "llamacpp.png").stat().st_size > 0
