@@ -162,3 +162,18 @@ def test_real_target_on_llamacpp_with_the_real_draft_is_its_own_target_only():
     accepted = check_lossless(pair.target, pair.drafter, ids[:1], 32, chain) + check_lossless(
         pair.target, pair.drafter, ids[1:], 32, tree)
     assert min(accepted) > 0.5  # the real draft does help
+
+
+def test_auto_runs_the_target_on_llamacpp_where_it_can(tmp_path):
+    """`--target-engine auto` (the default) means llama.cpp for a GGUF target on a CPU with the dtype
+    left to auto; a dtype asked for, a GPU, an EAGLE head or a target without a GGUF mean transformers."""
+    from starsd.config import PairConfig
+
+    assert PairConfig().engine == "llamacpp" and PairConfig().target_model().engine == "llamacpp"
+    assert PairConfig(dtype="float32").engine == "transformers"
+    assert PairConfig(device="cuda").engine == "transformers"
+    assert PairConfig(eagle=str(tmp_path)).engine == "transformers"
+    assert PairConfig(target=str(tmp_path)).engine == "transformers"
+    (tmp_path / "model.gguf").write_bytes(b"")
+    assert PairConfig(target=str(tmp_path)).engine == "llamacpp"
+    assert PairConfig(target_engine="transformers").target_model().engine == "transformers"

@@ -471,6 +471,8 @@ BENCHES = {  # name: (help, module with add_args and main)
               "starsd.bench.depth"),
     "llamacpp": ("a llama.cpp target: alone, with StarSD co-located and from a draft server on a core of its own, "
                  "and llama.cpp's own speculation", "starsd.bench.llamacpp"),
+    "sampled-q": ("a sampled draft's q on the wire: its support against the full distribution, bytes and acceptance",
+                  "starsd.bench.sampled_q"),
     "service": ("the draft server's batch time S(b) by batch size, against the bare model's passes",
                 "starsd.bench.service"),
     "scale": ("throughput, utilisation and latency vs N targets (replay targets), with baselines",

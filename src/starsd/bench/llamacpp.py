@@ -5,7 +5,8 @@ Modes, each per prompt, in an order rotated per prompt (drift in the machine's s
 - `alone`: the llama.cpp target decoding one token a pass (what llama.cpp's generation does), on
   both cores;
 - `colocated`: StarSD with the draft model in the target's process, its defaults (the adaptive
-  depth policy), both cores shared by the two;
+  depth policy, one for the process, as a target process keeps it over its streams), both cores
+  shared by the two;
 - `alone-1core` and `star-1core`: two one-core hosts emulated with CPU affinity: the target on core 0
   with one thread, alone, and with drafts from a draft-server process (its defaults, one thread)
   pinned to core 1, over loopback, as from a machine of its own;
@@ -16,7 +17,8 @@ Each StarSD mode's greedy output is compared with its engine's target-only outpu
 the share of prompts equal, and for each divergence its position and llama.cpp's top-2 logit margin
 there (the engine's batched and single-token kernels round differently: every divergence must be at
 a near-tie). Tokens/s are the decoding's, after the prompt's first step (the prefill costs every mode
-alike); llama-speculative-simple reports its own decoding speed, after its prompt.
+alike); llama-speculative-simple reports its own decoding speed, after its prompt. Each runner first
+decodes one prompt (the set's first) unmeasured, in each of its modes.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
     from starsd.models.loading import vocab_fingerprint
     from starsd.models.pair import Pair
     from starsd.spec.decode import speculative, target_only
+    from starsd.spec.depth import DepthPolicy
     from starsd.spec.tree import DraftTree
     from starsd.star.client import DraftClient, RemoteDrafter
 
@@ -74,6 +77,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
         client = DraftClient(server, vocab_fingerprint(loaded.tokenizer, loaded.target.width), "bench")
         client.hello()
         drafter = RemoteDrafter(client)
+    policy = DepthPolicy(C.DraftConfig().depth)  # one for the process, as a target process keeps: it carries over
     conn.send("ready")
     while (job := conn.recv()) is not None:
         kind, ids, n = job
@@ -85,7 +89,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
         if kind == "alone":
             gen = target_only(loaded.target, ids, n, greedy, loaded.eos_ids)
         else:
-            gen = speculative(loaded.target, drafter, ids, n, C.DraftConfig(), greedy, loaded.eos_ids)
+            gen = speculative(loaded.target, drafter, ids, n, C.DraftConfig(), greedy, loaded.eos_ids, policy=policy)
         conn.send({"token_ids": gen.token_ids, "decoded": len(gen.token_ids) - gen.trace[0][1],
                    "decode_s": gen.trace[-1][0] - gen.trace[0][0], "steps": gen.num_steps,
                    "mean_accepted": gen.mean_accepted, "drafted_steps": sum(1 for d in gen.depths if d)})
@@ -114,7 +118,7 @@ def llama_speculative(binary: str, target: str, draft: str, text: str, n: int, d
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(text)
         f.flush()
-        cmd = [binary, "-m", target, "-md", draft, "-f", f.name, "-n", str(n), "--temp", "0", "-t", "2", "-td", "2",
+        cmd = [binary, "-m", target, "-md", draft, "--spec-type", "draft-simple", "-f", f.name, "-n", str(n), "--temp", "0", "-t", "2", "-td", "2",
                "-c", "4096", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     log = out.stdout + out.stderr
@@ -151,6 +155,9 @@ def main(args) -> int:
                                       star.address if star else "")
         order = list(modes) + (["llama-speculative"] if args.llama_speculative else [])
         runs: dict[str, list[dict]] = {m: [] for m in order}
+        warm = load_prompts(args.prompts)[0].encode(tokenizer)  # not measured: first calls, first policy steps
+        for mode in modes:
+            runners[RUNNERS[mode]].ask("alone" if mode.startswith("alone") else "spec", warm, args.max_new_tokens)
         with Steps("bench llamacpp", len(prompts) * len(order)) as steps:
             for i, prompt in enumerate(prompts):
                 ids = prompt.encode(tokenizer)

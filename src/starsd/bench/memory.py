@@ -49,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot-out", default=None, help="PNG path (default: the JSON path with .png)")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(threads=2)
+    p.set_defaults(threads=2, target_engine="transformers")  # the figures in docs/ were measured so
 
 
 # ------------------------------------------------------------------------------------ arithmetic

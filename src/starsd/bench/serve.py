@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-out", default="results/serve.json")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
-    p.set_defaults(threads=1)  # the target and the draft server share the cores
+    p.set_defaults(threads=1, target_engine="transformers")  # the target and the draft server share the cores
 
 
 def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> dict:

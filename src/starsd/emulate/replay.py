@@ -120,7 +120,7 @@ class Recording:
 
 def recording_path(target_cfg: ModelConfig, prompts: list[Prompt], max_new_tokens: int,
                    cache: str | None = None) -> Path:
-    key = json.dumps([target_cfg.path, target_cfg.dtype, max_new_tokens, [(p.id, p.text, p.chat) for p in prompts]])
+    key = json.dumps([target_cfg.path, target_cfg.dtype, *([target_cfg.engine] if target_cfg.engine != "transformers" else []), max_new_tokens, [(p.id, p.text, p.chat) for p in prompts]])
     return pinned.cache_root(cache) / "replay" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

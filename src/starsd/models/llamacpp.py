@@ -105,6 +105,7 @@ class LlamaCppTarget:
     time: a start() ends the previous stream of this context."""
 
     device = torch.device("cpu")
+    engine = "llamacpp"
 
     def __init__(self, file: Path, context: int = 0, threads: int = 0):
         ll = self.ll = _lib()

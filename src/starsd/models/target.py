@@ -34,6 +34,8 @@ class TargetModel:
     """A target on transformers. models/llamacpp.py's LlamaCppTarget has the same interface: start,
     score, commit, device, width and max_context."""
 
+    engine = "transformers"
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
 

@@ -137,8 +137,9 @@ def _print_summary(console: Console, rows: list[dict], system: dict) -> None:
     console.print(table)
     console.print(f"draft server busy {system['draft_server_utilization']:.0%} of the time. A target drafts a step "
                   "only when its own measurements say the draft pays (docs/scheduler.md). Greedy output is the "
-                  "target's own: the same text with and without drafts (bit-exact in float32; in bfloat16 a "
-                  "near-tie may round the other way).")
+                  "target's own: the same text with and without drafts (bit-exact for a float32 transformers "
+                  "target; llama.cpp and bfloat16 round a pass of several tokens differently from one token at "
+                  "a time, so a near-tie may go the other way).")
     for r in rows:
         console.print(f"\n[bold]{r['request']}[/bold]:")
         console.print(r["text"], highlight=False, markup=False)
