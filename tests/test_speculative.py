@@ -170,7 +170,7 @@ def test_a_failed_score_leaves_the_cache_as_it_was(tiny_target, monkeypatch):
     from starsd.spec.tree import DraftTree
 
     seq = tiny_target.start([5, 6, 7, 8])
-    lengths = [layer.keys.shape[-2] for layer in seq.cache.layers]
+    lengths = [layer.length for layer in seq.cache.layers]  # columns written, not the allocation
     tree = DraftTree.chain([1, 2, 3])
 
     def fail(*args, **kwargs):
@@ -180,7 +180,7 @@ def test_a_failed_score_leaves_the_cache_as_it_was(tiny_target, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         tiny_target.score(seq, tree)
     monkeypatch.undo()
-    assert [layer.keys.shape[-2] for layer in seq.cache.layers] == lengths
+    assert [layer.length for layer in seq.cache.layers] == lengths
     assert torch.equal(tiny_target.score(seq, tree), tiny_target.score(tiny_target.start([5, 6, 7, 8]), tree))
 
 

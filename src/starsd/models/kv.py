@@ -2,8 +2,8 @@
 
 transformers' DynamicCache grows by concatenation, which copies every layer's whole cache on every
 pass. A KV here is allocated with room to spare: a pass writes its new columns in place and
-attention reads a view of the columns written so far. Beside forward.py, this is the only module
-that knows how transformers holds a cache.
+attention reads a view of the columns written so far. This is the only module that knows how
+transformers holds a cache. Both the drafter's sequences and the target's stream keep theirs here.
 
 Shapes: every layer holds keys and values [rows, kv_heads, capacity, head_dim]; columns
 [0, length) are written, the same `length` in every layer and row.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+GROWTH_MIN = 64  # columns a KV grows by at least
 
 
 class Slab(CacheLayerMixin):
@@ -92,10 +94,13 @@ class KV(Cache):
             slab.length = length
 
     def reserve(self, capacity: int) -> None:
-        """Room for at least `capacity` columns, doubling the allocation when it grows."""
+        """Room for at least `capacity` columns. The allocation grows geometrically, by a quarter
+        (GROWTH_MIN columns at least): a column is copied a few times over a stream's life, not once
+        a pass, and a long prompt's KV is not held twice over. Layer after layer, so growing costs
+        one layer's worth of extra memory at a time."""
         if capacity <= self.capacity:
             return
-        new = max(capacity, 2 * self.capacity)
+        new = max(capacity, self.capacity + max(self.capacity // 4, GROWTH_MIN))
         for slab in self.layers:
             slab.keys, slab.values = _resized(slab.keys, slab.length, new), _resized(slab.values, slab.length, new)
 

@@ -5,6 +5,13 @@ A TargetSequence holds one generation stream. Its KV cache covers every token bu
 [pending] + tree nodes scores the whole draft (tree attention), and `commit` keeps only the
 accepted path.
 
+The cache is a KV (models/kv.py): allocated for the prompt and some spare columns, written in place
+by each pass, grown geometrically when a pass needs more room. `commit` moves the accepted path's
+columns down behind the root; a failed pass is cut back. The prompt is prefilled in chunks of
+`prefill_chunk` tokens, each a causal pass (forward.py: the model's own mask, none for the first
+chunk), so that prefill memory grows with the prompt, not with its square: no chunk's mask or
+activations span more than [chunk, prompt].
+
 For an EAGLE drafter, a pass also keeps each of its positions' *features* (models/eagle.py: the
 last hidden state, or the outputs of some layers side by side): `start` and `score` take which
 (`taps`; None for none), and `seq.features` holds those of the last pass.
@@ -17,14 +24,19 @@ from dataclasses import dataclass, field
 import torch
 
 from starsd.models import forward as fw
+from starsd.models.kv import KV
 from starsd.spec.tree import DraftTree, ancestor_mask, depths
 from starsd.spec.verify import Verdict
 
 
+SPARE = 256  # columns allocated beyond the prompt: the first drafts fit before the KV grows
+PREFILL_CHUNK = 512  # prompt tokens a prefill pass feeds at most
+
+
 @dataclass
 class TargetSequence:
-    tokens: list[int]  # prompt + generated; the cache covers tokens[:-1]
-    cache: object
+    tokens: list[int]  # prompt + generated
+    cache: KV  # one row: tokens[:-1] in columns [0, cache.length - scored), then the last scored tree
     scored: int = 0  # nodes of the last scored tree, still in the cache until commit
     features: torch.Tensor | None = field(default=None, repr=False)  # [rows of the last pass, F], if asked:
     # the prefill's (every prompt token's but the pending one's; None for none), or the root's and each node's
@@ -36,8 +48,9 @@ class TargetModel:
 
     engine = "transformers"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
+        self.prefill_chunk = prefill_chunk
 
     @property
     def device(self) -> torch.device:
@@ -54,28 +67,34 @@ class TargetModel:
         return int(getattr(self.model.config, "max_position_embeddings", 32768))
 
     def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None) -> TargetSequence:
-        """Prefill the prompt (all but its last token, which becomes the pending root)."""
-        seq = TargetSequence(list(prompt_ids), fw.new_cache(self.model))
+        """Prefill the prompt (all but its last token, which becomes the pending root), chunk by chunk."""
         body = torch.tensor(prompt_ids[:-1], dtype=torch.long)
         m = body.shape[0]
-        if m:
-            out = fw.forward(self.model, seq.cache, body, torch.arange(m), torch.ones(m, m).tril().bool(), taps or ())
-            seq.features = _features(out, taps)
+        seq = TargetSequence(list(prompt_ids), KV.allocate(self.model, 1, m + SPARE))
+        features = []
+        for at in range(0, m, self.prefill_chunk):
+            chunk = body[at:at + self.prefill_chunk]
+            out = fw.forward(self.model, seq.cache, chunk, at + torch.arange(chunk.shape[0]), None, taps or ())
+            if taps is not None:
+                features.append(_features(out, taps))
+        if features:
+            seq.features = torch.cat(features)
         return seq
 
     def score(self, seq: TargetSequence, tree: DraftTree, taps: tuple[int, ...] | None = None) -> torch.Tensor:
         """Target logits after the root and after each node: [n+1, V] float32, in one forward pass."""
         if seq.scored:
             raise RuntimeError("score() called twice without commit()")
-        past = fw.cache_len(seq.cache)
+        past = seq.cache.length
         n = len(tree)
         tokens = torch.cat([torch.tensor([seq.tokens[-1]]), tree.tokens])
         positions = past + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])
         attend = torch.cat([torch.ones(n + 1, past, dtype=torch.bool), ancestor_mask(tree.parents)], dim=1)
+        seq.cache.reserve(past + n + 1)
         try:
             out = fw.forward(self.model, seq.cache, tokens, positions, attend, taps or ())
         except BaseException:  # a pass that fails part-way leaves some layers longer: cut them back
-            fw.truncate(seq.cache, past)
+            seq.cache.cut(past)
             raise
         seq.scored = n
         seq.features = _features(out, taps)
@@ -83,9 +102,11 @@ class TargetModel:
 
     def commit(self, seq: TargetSequence, verdict: Verdict) -> None:
         """Keep the root and the accepted path in the cache; the last emitted token becomes pending."""
-        root = fw.cache_len(seq.cache) - seq.scored - 1
-        kept = root + 1 + torch.tensor(verdict.path, dtype=torch.long)
-        fw.keep_positions(seq.cache, root + 1, kept)
+        root = seq.cache.length - seq.scored - 1
+        if verdict.path != list(range(len(verdict.path))):  # not already in place behind the root
+            kept = root + 1 + torch.tensor(verdict.path, dtype=torch.long)
+            seq.cache.copy_columns(0, kept, seq.cache, 0, at=root + 1)
+        seq.cache.cut(root + 1 + len(verdict.path))
         seq.tokens.extend(verdict.tokens)
         seq.scored = 0
 

@@ -156,7 +156,7 @@ class Sessions:
 
     def _check_memory(self, s: Session, length: int) -> None:
         """Refuse (kv_full) a request whose session would take the draft KV past its budget: its
-        tokens, a draft tree below them, and an allocation that grows by doubling. A request its
+        tokens, a draft tree below them, and an allocation that grows geometrically. A request its
         session's allocation already holds asks for nothing new and is not counted again."""
         if s.seq is not None and length + MAX_DRAFT_NODES <= s.seq.kv.capacity:
             return  # the common step: no sum over the other sessions
