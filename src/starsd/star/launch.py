@@ -88,6 +88,8 @@ def check_models(pair: PairConfig) -> None:
     for name in names:
         if name in pinned.PINNED:
             pinned.fetch(name, pair.cache, log=lambda m: print(m, file=sys.stderr))
+            if name == pair.target and pair.engine == "llamacpp":  # a cache from before it was kept
+                pinned.gguf(name, pair.cache, log=lambda m: print(m, file=sys.stderr))
         elif not os.path.isdir(name) and not HUB_ID.fullmatch(name):
             raise SettingError(f"model {name!r} is not a pinned name ({', '.join(pinned.PINNED)}), a local model "
                                "directory, or a hub id")
