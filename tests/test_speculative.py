@@ -206,3 +206,38 @@ def test_sampling_runs_on_the_models_device(device):
         assert runs[0] == runs[1] and len(runs[0]) == 30
     assert speculative(target, drafter, [5, 6], 30, DraftConfig(depth=4), GREEDY).token_ids == \
         target_only(target, [5, 6], 30, GREEDY).token_ids
+
+
+def test_a_draft_outside_the_targets_vocabulary_is_refused(tiny_target, tiny_drafters):
+    """A drafter (a draft server with a bug, or a hostile one) that sends token ids the target does
+    not have: those drafts are dropped, each such step decodes alone, and the output is the target's."""
+    from starsd.config import DraftConfig, SamplingConfig
+    from starsd.spec.decode import speculative, target_only
+    from starsd.spec.tree import DraftTree
+
+    good = tiny_drafters["perfect"]
+    width = tiny_target.width
+
+    class OutOfRange:
+        device, taps = good.device, None
+
+        def __init__(self):
+            self.calls = 0
+
+        def start(self, *args):
+            return good.start(*args)
+
+        def propose(self, *args, **kw):
+            tree = good.propose(*args, **kw)
+            self.calls += 1
+            if self.calls % 2 and len(tree):  # every other draft: its last token past the vocabulary
+                tokens = tree.tokens.clone()
+                tokens[-1] = width + 5
+                return DraftTree(tokens, tree.parents, tree.q)
+            return tree
+
+    prompt, greedy = [5, 17, 33, 2], SamplingConfig(temperature=0.0)
+    draft = DraftConfig(depth=4, adaptive=False, min_path_prob=0.0)
+    gen = speculative(tiny_target, OutOfRange(), prompt, 24, draft, greedy)
+    assert gen.token_ids == target_only(tiny_target, prompt, 24, greedy).token_ids
+    assert 0 in gen.depths and max(gen.accepted) > 0  # the bad steps decoded alone, the good ones drafted

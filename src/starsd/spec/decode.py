@@ -149,6 +149,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
 
     taps = drafter.taps
+    width = getattr(target, "width", None)
     ask_ahead = policy is not None and getattr(drafter, "asynchronous", False)
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
@@ -195,6 +196,8 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
                     draft_ms = None
             if waited_for and depth and policy and len(tree) == 0 and waited_ms >= deadline_ms:
                 policy.missed(depth, waited_ms)
+            if not within(tree, width):  # a draft server's bug (or worse) must not reach the target's model
+                tree = DraftTree.empty()
         else:
             tree = DraftTree.empty()
             if ask_ahead:
@@ -213,3 +216,12 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
                 new_features.append(seq.features[torch.tensor([0] + [p + 1 for p in verdict.path])])
             target.commit(seq, verdict)
             new_tokens += verdict.tokens
+
+
+def within(tree: DraftTree, width: int | None) -> bool:
+    """Whether every token of a draft, and of its q's support, is one of the target's `width` ids
+    (None: not known; every tree passes). A draft outside them is refused: the step decodes alone."""
+    if width is None or not len(tree):
+        return True
+    ids = [tree.tokens] + ([tree.q.ids] if tree.q is not None else [])
+    return all(int(t.min()) >= 0 and int(t.max()) < width for t in ids)
