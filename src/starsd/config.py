@@ -39,12 +39,17 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     if not device.startswith("cpu"):
         return "bfloat16"
+    flags = cpu_flags()
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags, as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return "float32"
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+        return set()
 
 
 def setting(default, help: str, **kw):

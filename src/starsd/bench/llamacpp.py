@@ -223,6 +223,5 @@ def main(args) -> int:
 
 
 def _cpu_kind() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    flags = C.cpu_flags()
     return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "x86"
