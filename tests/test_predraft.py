@@ -121,7 +121,8 @@ class SlowTarget:
         return self.target.score(seq, tree)
 
 
-def generate(drafter, target, predraft: bool, n: int = 40, kv_budget_gib: float = 8.0, cohosted: bool = True):
+def generate(drafter, target, predraft: bool, n: int = 40, kv_budget_gib: float = 8.0, cohosted: bool = True,
+             verify_ms: float = 30):
     """`cohosted`: pre-draft although the target is on this host (it stands for one elsewhere here)."""
     address = f"tcp://127.0.0.1:{free_port()}"
     server = DraftServer(drafter, FP, 128, ServerConfig(bind=address, predraft=predraft, kv_budget_gib=kv_budget_gib,
@@ -130,7 +131,7 @@ def generate(drafter, target, predraft: bool, n: int = 40, kv_budget_gib: float 
     client = DraftClient(address, FP, "t", timeout_s=10, heartbeat_s=0)
     try:
         client.hello()
-        got = speculative(SlowTarget(target, 30), RemoteDrafter(client), PROMPT, n, CHAIN, GREEDY)
+        got = speculative(SlowTarget(target, verify_ms), RemoteDrafter(client), PROMPT, n, CHAIN, GREEDY)
         return got, server.stats.snapshot(1)["predraft"] | {"requests": server.stats.requests}
     finally:
         client.close()
@@ -187,12 +188,14 @@ def test_predrafts_hold_no_more_draft_kv_than_the_budget_leaves_free(tiny_target
     """The tiny draft holds 512 bytes of KV per token, and the session's state 69 columns (35 KiB)
     here. A 160 KiB budget admits the session to its end (counted at up to 154 KiB, with room for a
     draft tree) and leaves room for three copies of its state, so at most three of its four outcomes
-    are pre-drafted for a request; with the default budget, a 30 ms verify pass leaves time for all
-    four."""
-    got, stats = generate(tiny_drafters["perfect"], tiny_target, predraft=True, kv_budget_gib=160 / (1 << 20))
+    are pre-drafted for a request; with the default budget, all four. Each verify pass takes 150 ms:
+    time enough for four outcomes of the tiny draft on a loaded machine, so that the budget, not the
+    time, tells the two runs apart."""
+    got, stats = generate(tiny_drafters["perfect"], tiny_target, predraft=True, kv_budget_gib=160 / (1 << 20),
+                          verify_ms=150)
     assert got.token_ids == target_only(tiny_target, PROMPT, 40, GREEDY).token_ids and got.num_steps <= 12
     assert 0 < stats["outcomes"] <= 3 * stats["requests"]
-    _, free = generate(tiny_drafters["perfect"], tiny_target, predraft=True)
+    _, free = generate(tiny_drafters["perfect"], tiny_target, predraft=True, verify_ms=150)
     assert free["outcomes"] > stats["outcomes"]  # the budget held it back, not the time
 
 

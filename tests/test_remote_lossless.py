@@ -57,6 +57,9 @@ PREFILL = 1.0  # the target's prefill, in server round trips: the first draft, a
 VERIFY = 2.0  # each target pass, in server round trips: drafting pays
 SLOW_EVERY = 400  # every this many batches the server takes SLOW longer: drafts miss their deadline, and come late
 SLOW = 10.0  # in server round trips
+SLOW_FIRST_EVERY = 8  # every this many batches with a prompt's first draft, the server takes SLOW_FIRST longer:
+SLOW_FIRST = 1.5  # in round trips: past the target's prefill (PREFILL), so the first step decodes alone, but
+# well within that step's pass (VERIFY), so the second takes the draft below the first token, where it follows
 ROUNDS = 3  # runs of `trials` generations at most, until each event the test needs has happened
 EXPLORE = 4  # the policy's: steps between its looks beside its choice, and after a missed deadline, decoding alone
 # The TV bound of the first k tokens' law, in multiples of an exact sampler's mean TV: what an exact
@@ -118,15 +121,22 @@ class MemoTarget:
 
 class SlowNowAndThen(Drafter):
     """The draft model, every SLOW_EVERY-th batch (pre-drafts included) `slow_s` seconds slower (a
-    value the test process sets, once it knows the server's round trip)."""
+    value the test process sets, once it knows the server's round trip), and every SLOW_FIRST_EVERY-th
+    batch that drafts a prompt's first draft SLOW_FIRST round trips slower: the events the test needs
+    come from the server's pace, not from the machine's."""
 
     def __init__(self, model, slow_s):
         super().__init__(model)
         self.slow_s = slow_s
         self.batches = 0
+        self.firsts = 0
 
     def propose_batch(self, jobs, stop=None):
         self.batches += 1
+        if any(j.seq.cached == 0 for j in jobs):
+            self.firsts += 1
+            if self.firsts % SLOW_FIRST_EVERY == 0:
+                time.sleep(self.slow_s.value * SLOW_FIRST / SLOW)
         if self.batches % SLOW_EVERY == 0:
             time.sleep(self.slow_s.value)
         return super().propose_batch(jobs, stop)
