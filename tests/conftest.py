@@ -12,6 +12,16 @@ from starsd.models.target import TargetModel  # noqa: E402
 torch.set_num_threads(1)  # tiny models gain nothing from threads; idle OpenMP spinners cost a lot
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Every test module starts at one torch thread, whatever an earlier one set (test_real_pair
+    loads the real pair at two): a RemoteDrafter's choice to ask drafts ahead, for one, depends on
+    it (star/hosts.py, shares_cores)."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return TargetModel(tiny.tiny_model(seed=1))

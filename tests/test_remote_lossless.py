@@ -225,6 +225,7 @@ class Stream:
         try:
             client.hello()
             drafter = RemoteDrafter(client)
+            assert drafter.asynchronous, "the drafts must be asked ahead: one torch thread, two cores or more"
             policy = DepthPolicy(self.cfg.depth, explore=EXPLORE)
             for trial in self.trials:
                 sampling = dataclasses.replace(S, seed=2 * trial)  # the draft's generator takes seed + 1: no two
