@@ -217,6 +217,22 @@ def test_a_draft_already_here_is_verified_as_deep_as_pays_without_a_wait():
     assert policy.ahead(8) == 4 and policy.ahead(3) == 3
 
 
+def test_a_draft_asked_ahead_of_a_server_on_this_host_costs_its_compute():
+    """A server on this host drafts on the cores the targets verify on: a draft nobody waits for is
+    not free there. 100 ms a token alone, 5 more a drafted token, drafts right for three tokens, but
+    150 ms of the server's time a level: a draft already here is worth verifying, yet none is asked
+    ahead, where one would be of a server on another host; at 5 ms a level, it is."""
+    dear = DepthPolicy(8, explore=16, cohosted=True)
+    run(dear, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3)
+    assert dear.choose(8) == 0 and dear.worth(8) > 0
+    assert dear.ahead(8) == 0
+    dear.cohosted = False
+    assert dear.ahead(8) > 0
+    cheap = DepthPolicy(8, explore=16, cohosted=True)
+    run(cheap, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=0, right=3)
+    assert cheap.ahead(8) > 0
+
+
 def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
     """This CPU's verify costs (test above) and a draft whose first token is right 9 times in 10:
     even with no wait, one drafted token gives 1.9 tokens per 1214 ms against 1 per 619 alone, and

@@ -17,7 +17,7 @@ from starsd.star import ahead
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 from starsd.star.sessions import Session
-from starsd.star.hosts import on_this_host, shares_cores
+from starsd.star.hosts import on_this_host, server_on_this_host, shares_cores
 
 FP = "f" * 64
 CHAIN = DraftConfig(depth=3, min_path_prob=0.0, adaptive=False)
@@ -182,6 +182,12 @@ def test_a_target_shares_cores_with_a_server_on_its_host_only_at_more_than_half_
     assert shares_cores("ipc:///tmp/draft", cores)
     assert not shares_cores("tcp://127.0.0.1:5555", cores // 2) or cores == 1
     assert not shares_cores("tcp://198.51.100.7:5555", cores)
+
+
+def test_a_server_is_on_this_host_whatever_the_threads():
+    """What a co-hosted server's drafts cost (spec/depth.py, `cohosted`) does not depend on threads."""
+    assert server_on_this_host("tcp://127.0.0.1:5555") and server_on_this_host("tcp://localhost:5555")
+    assert server_on_this_host("ipc:///tmp/draft") and not server_on_this_host("tcp://198.51.100.7:5555")
 
 
 def test_predrafts_hold_no_more_draft_kv_than_the_budget_leaves_free(tiny_target, tiny_drafters):

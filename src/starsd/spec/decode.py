@@ -151,6 +151,8 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
     taps = drafter.taps
     width = getattr(target, "width", None)
     ask_ahead = policy is not None and getattr(drafter, "asynchronous", False)
+    if policy is not None:
+        policy.cohosted = getattr(drafter, "cohosted", False)
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
     first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)
@@ -187,9 +189,10 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
             new_features = []
             waited_for = not (ask_ahead and (dseq.behind or not depth or first))
             if not waited_for:  # asked earlier and not waited for: it costs no wait now, so it is
-                # verified as deep as that pays
+                # verified as deep as that pays. What it cost a server on this host's cores counts all
+                # the same: the server took them from this target's passes, or from its neighbours'.
                 tree = tree.truncate(policy.worth(min(tree.depth(), budget - 1)))
-                draft_ms = None
+                draft_ms = dseq.share_ms if policy.cohosted and len(tree) else None
             else:
                 tree = tree.truncate(depth)
                 if not produced:  # the prompt's first draft also ingested the prompt: not what a draft costs

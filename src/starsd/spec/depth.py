@@ -44,6 +44,12 @@ no wait, plus the tokens the stream commits while it travels), and a later step 
 as it still follows the tokens committed meanwhile, verifying it as deep as a draft that costs no
 wait pays (`worth`). A slow server's drafts are then late but not lost, and a target that never
 waits for one cannot fall below its own decoding speed because of it.
+
+Unless the server is on this host (`cohosted`): its drafts are then computed on the cores the
+targets verify on, and a draft nobody waits for still takes its compute from them. Such a draft is
+counted at its share of the server's time (the batch's service time over the streams in it), and
+asked ahead only where it pays at that cost (`best`, not `worth`). A local star on two cores, two
+targets and a draft server, would otherwise draft as if drafts were free while every pass slowed.
 """
 
 from __future__ import annotations
@@ -204,6 +210,7 @@ class DepthPolicy:
     late_asks: int = 0  # steps since the last draft asked ahead while the server was too slow for one
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
     prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
+    cohosted: bool = False  # the draft server computes on this host's cores: a draft asked ahead is not free
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -224,6 +231,10 @@ class DepthPolicy:
             return self.rate(0)
         return (1.0 + self.acceptance.expected(d)) / max(self.verify_ms(d + 1), 1e-6)
 
+    def best(self, limit: int) -> int:
+        """The depth with the most tokens per millisecond, draft cost included, at most `limit` deep."""
+        return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.rate)
+
     def worth(self, limit: int) -> int:
         """How deep to verify a draft already here, at most `limit` deep (0: decode alone after all)."""
         return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.here)
@@ -238,12 +249,13 @@ class DepthPolicy:
         asking only loads a saturated server with drafts nobody takes. Such steps ask only now and
         then (`explore` steps apart, twice as far after each such ask, up to 8 x explore), so that a
         server that catches up is noticed."""
-        best = self.worth(limit)
+        pays = self.best if self.cohosted else self.worth  # a co-hosted server's draft costs its compute
+        best = pays(limit)
         if not best:
             return 0
         cap = min(limit, self.max_depth)
         behind = max(1, math.ceil(behind))
-        if not self.worth(cap - max(behind, math.ceil(server_ms / max(self.verify_ms(1), 1e-6)))):
+        if not pays(cap - max(behind, math.ceil(server_ms / max(self.verify_ms(1), 1e-6)))):
             self.late_asks += 1
             if self.late_asks < self.explore << min(self.late_probes, 3):
                 return 0

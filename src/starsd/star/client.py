@@ -22,7 +22,7 @@ from starsd.errors import StarsdError
 from starsd.spec.sparse_q import SparseQ
 from starsd.spec.tree import DraftTree
 from starsd.star import protocol as P
-from starsd.star.hosts import shares_cores
+from starsd.star.hosts import server_on_this_host, shares_cores
 from starsd.star import security
 
 
@@ -306,6 +306,7 @@ class RemoteSequence:
     # tokens[1:] in order (row j: the target's feature at position j); a reset sends them all again
     feature_count: int = 0  # rows in `features`
     behind: int = 0  # the last draft given was asked this many committed tokens ago (0: for the current prefix)
+    share_ms: float = 0.0  # the server's time on the last draft given, over the streams of its batch
 
     def add_features(self, chunk: torch.Tensor) -> None:
         self.features.append(chunk)
@@ -396,6 +397,10 @@ class RemoteDrafter:
         # computed during the target's own pass, each slowing the other (on 2 cores, a target and a
         # server at 2 threads each), and the two take turns instead, as a co-located pair does.
         self.asynchronous = not shares_cores(client.address, torch.get_num_threads())
+        # A server on this host drafts on the cores its targets verify on, whatever the threads: what
+        # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
+        # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
+        self.cohosted = server_on_this_host(client.address)
         self.timing = Timing()
         self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
         # drafts are empty until a new session opens
@@ -479,6 +484,7 @@ class RemoteDrafter:
                     raise
                 seq.sent = 0
         wall = (time.perf_counter() - t0) * 1e3
+        seq.share_ms = reply.service_ms / max(1, reply.batch_size)
         if seq.behind:  # asked at an earlier step: its round trip as the target saw it runs from then
             self.timing.taken_late += 1
             wall = (time.monotonic() - seq.pending_since) * 1e3

@@ -42,13 +42,18 @@ def shares_cores(address: str, threads: int) -> bool:
     """Whether a process running `threads` compute threads would take cores from a draft server at
     `address` (or a draft server from it): the server is on this host and the threads are more than
     half of the cores this process may run on."""
+    return server_on_this_host(address) and threads > len(os.sched_getaffinity(0)) // 2
+
+
+def server_on_this_host(address: str) -> bool:
+    """Whether the server at a ZeroMQ address (tcp://host:port, ipc://, inproc://) runs on this host."""
     host = zmq_host(address)
     if host is not None and not _is_ip(host):
         try:
             host = socket.gethostbyname(host)  # e.g. localhost
         except OSError:
             return False
-    return on_this_host(host) and threads > len(os.sched_getaffinity(0)) // 2
+    return on_this_host(host)
 
 
 def _is_ip(host: str) -> bool:
