@@ -140,13 +140,26 @@ def test_decodes_alone_on_a_cpu_whose_verify_cost_jumps_after_one_token():
     """This machine's 1.5B target in fp32 (verify ms by tokens scored, measured) and a draft right
     for two tokens: no depth beats decoding alone (1/619 tokens per ms against at best 3/1894 at
     depth 2). A cost line through the widths a deep draft uses would put one token near 2.4 s and
-    never let the stream decode alone."""
+    never let the stream decode alone. A width measured once is tried again after a while (a pass
+    slowed once must not rule it out for good): 16 steps of 192 at the most."""
     measured = {1: 619, 2: 1214, 3: 1812, 4: 1962, 6: 2128, 8: 2101, 11: 2499, 16: 2370}
     table = Costs(0.0)
     for w, ms in measured.items():
         table.add(w, ms)
     chosen = run(DepthPolicy(8, explore=16), 256, 0, 0, draft_per_level=41, wait_ms=2, right=2, verify=table)
-    assert sum(d == 0 for d in chosen[-192:]) >= 188 and any(d > 0 for d in chosen[-192:])
+    assert sum(d == 0 for d in chosen[-192:]) >= 176 and any(d > 0 for d in chosen[-192:])
+
+
+def test_a_streams_second_step_measures_decoding_alone():
+    """A stream starts at full depth, and its first pass, 11 tokens on llama.cpp's CPU table (178 ms
+    against 31 for one), would stand for a one-token pass too: a draft at 60 ms a level would then
+    look worth it for 16 steps. The second step decodes alone instead, and from then on the stream
+    knows that no draft pays."""
+    table = Costs(0.0)
+    for w, ms in {1: 31, 2: 50, 4: 85, 8: 148, 12: 178, 16: 178}.items():
+        table.add(w, ms)
+    chosen = run(DepthPolicy(8, explore=16), 16, 0, 0, draft_per_level=60, wait_ms=2, right=3, verify=table)
+    assert chosen[:2] == [8, 0] and chosen[2:].count(0) >= 12
 
 
 def test_one_policy_carries_over_a_streams_generations(tiny_target, tiny_drafters):

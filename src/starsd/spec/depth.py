@@ -290,6 +290,10 @@ class DepthPolicy:
             best = max(range(1, limit + 1), key=lambda d: self.rate(d, rates))
         self.steps += 1
         self.since += 1
+        if best > 0 and self.steps == 2 and not self.verify_ms.measured(1):
+            best = 0  # a stream's second step decodes alone unless one already has: a one-token pass is
+            # what every draft is weighed against, and no wider pass tells its cost (on a CPU a pass of
+            # 11 tokens costs several of one, and taken as its cost it made a dear draft look worth it)
         if best > 0:
             self.idle_looks = 0
         interval = self.explore << min(self.idle_looks, 4)
