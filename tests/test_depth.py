@@ -76,17 +76,19 @@ def test_positions_little_tested_are_drawn_widely():
 
 
 def run(policy: DepthPolicy, steps: int, decode_ms: float, verify_per_token: float, draft_per_level: float,
-        wait_ms: float, right: int = 8, verify=None) -> list[int]:
+        wait_ms: float, right: int = 8, verify=None, share_per_level: float | None = None) -> list[int]:
     """Feed the policy a synthetic stream whose drafts are right for their first `right` tokens (and
     wrong at the next);
-    a verify pass of w tokens costs verify(w), by default decode_ms + verify_per_token * (w - 1)."""
+    a verify pass of w tokens costs verify(w), by default decode_ms + verify_per_token * (w - 1);
+    `share_per_level`: a co-hosted server's compute on a draft, per level."""
     verify = verify or (lambda w: decode_ms + verify_per_token * (w - 1))
     chosen = []
     for _ in range(steps):
         d = policy.choose(8)
         chosen.append(d)
         accepted = min(d, right)
-        policy.observe(d, accepted, wait_ms + draft_per_level * d if d else None, d + 1, verify(d + 1))
+        share = (d, share_per_level * d) if d and share_per_level is not None else None
+        policy.observe(d, accepted, wait_ms + draft_per_level * d if d else None, d + 1, verify(d + 1), share)
     return chosen
 
 
@@ -233,17 +235,18 @@ def test_a_draft_already_here_is_verified_as_deep_as_pays_without_a_wait():
 def test_a_draft_asked_ahead_of_a_server_on_this_host_costs_its_compute():
     """A server on this host drafts on the cores the targets verify on: a draft nobody waits for is
     not free there. 100 ms a token alone, 5 more a drafted token, drafts right for three tokens, but
-    150 ms of the server's time a level: a draft already here is worth verifying, yet none is asked
-    ahead, where one would be of a server on another host; at 5 ms a level, it is."""
+    150 ms of the server's compute a level: a draft already here is worth verifying, yet none is asked
+    ahead, where one would be of a server on another host; at 5 ms a level, it is. What counts is the
+    server's compute, not the wait: a server 2 s away that computes 5 ms a level is asked ahead."""
     dear = DepthPolicy(8, explore=16, cohosted=True)
-    run(dear, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3)
+    run(dear, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3, share_per_level=150)
     assert dear.choose(8) == 0 and dear.worth(8) > 0
     assert dear.ahead(8) == 0
     dear.cohosted = False
     assert dear.ahead(8) > 0
-    cheap = DepthPolicy(8, explore=16, cohosted=True)
-    run(cheap, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=0, right=3)
-    assert cheap.ahead(8) > 0
+    far = DepthPolicy(8, explore=16, cohosted=True)
+    run(far, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000, right=3, share_per_level=5)
+    assert far.choose(8) == 0 and far.ahead(8) > 0
 
 
 def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():

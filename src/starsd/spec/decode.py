@@ -185,14 +185,14 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
                                    deadline_ms=deadline_ms,
                                    features=torch.cat(new_features) if new_features else None)
             draft_ms = waited_ms = (time.perf_counter() - t_draft) * 1e3
+            share = (tree.depth(), dseq.share_ms) if policy and policy.cohosted and len(tree) else None
             new_tokens = []
             new_features = []
             waited_for = not (ask_ahead and (dseq.behind or not depth or first))
             if not waited_for:  # asked earlier and not waited for: it costs no wait now, so it is
-                # verified as deep as that pays. What it cost a server on this host's cores counts all
-                # the same: the server took them from this target's passes, or from its neighbours'.
+                # verified as deep as that pays
                 tree = tree.truncate(policy.worth(min(tree.depth(), budget - 1)))
-                draft_ms = dseq.share_ms if policy.cohosted and len(tree) else None
+                draft_ms = None
             else:
                 tree = tree.truncate(depth)
                 if not produced:  # the prompt's first draft also ingested the prompt: not what a draft costs
@@ -203,6 +203,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
                 tree = DraftTree.empty()
         else:
             tree = DraftTree.empty()
+            share = None
             if ask_ahead:
                 drafter.keep_up(dseq)  # a remote drafter reads what its server sent meanwhile
         t_verify = time.perf_counter()
@@ -210,7 +211,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
         verdict = verify(tree, logits, sampling, verify_gen)
         if policy:
             policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1,
-                           (time.perf_counter() - t_verify) * 1e3)
+                           (time.perf_counter() - t_verify) * 1e3, share)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         produced += len(emitted)
         yield Step(emitted, verdict.num_accepted, tree.depth(), depth or ahead, time.time())

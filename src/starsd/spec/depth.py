@@ -46,10 +46,11 @@ wait pays (`worth`). A slow server's drafts are then late but not lost, and a ta
 waits for one cannot fall below its own decoding speed because of it.
 
 Unless the server is on this host (`cohosted`): its drafts are then computed on the cores the
-targets verify on, and a draft nobody waits for still takes its compute from them. Such a draft is
-counted at its share of the server's time (the batch's service time over the streams in it), and
-asked ahead only where it pays at that cost (`best`, not `worth`). A local star on two cores, two
-targets and a draft server, would otherwise draft as if drafts were free while every pass slowed.
+targets verify on, and a draft nobody waits for still takes its compute from them. Each draft's
+share of the server's time (its batch's service time over the streams in it) is learnt as a cost of
+its own (`share_ms`), and a draft is asked ahead only where it pays at that cost (`asked_ahead`). A
+local star on two cores, two targets and a draft server, would otherwise draft as if drafts were free
+while every pass slowed.
 """
 
 from __future__ import annotations
@@ -211,12 +212,14 @@ class DepthPolicy:
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
     prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
     cohosted: bool = False  # the draft server computes on this host's cores: a draft asked ahead is not free
+    share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
         # Priors that make speculating look worth it until measured: drafts cheap, verify flat.
         self.draft_ms = self.draft_ms or Costs(1.0, extend="line")
         self.verify_ms = self.verify_ms or Costs(100.0)
+        self.share_ms = self.share_ms or Costs(0.0, extend="line")
         self.chosen = self.max_depth
 
     def rate(self, d: int, rates: list[float] | None = None) -> float:
@@ -231,9 +234,12 @@ class DepthPolicy:
             return self.rate(0)
         return (1.0 + self.acceptance.expected(d)) / max(self.verify_ms(d + 1), 1e-6)
 
-    def best(self, limit: int) -> int:
-        """The depth with the most tokens per millisecond, draft cost included, at most `limit` deep."""
-        return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.rate)
+    def asked_ahead(self, d: int) -> float:
+        """Expected tokens per millisecond of a draft d deep asked ahead: no wait, but a co-hosted
+        server's compute on it counted."""
+        if d == 0 or not self.cohosted:
+            return self.here(d)
+        return (1.0 + self.acceptance.expected(d)) / max(self.share_ms(d) + self.verify_ms(d + 1), 1e-6)
 
     def worth(self, limit: int) -> int:
         """How deep to verify a draft already here, at most `limit` deep (0: decode alone after all)."""
@@ -249,7 +255,9 @@ class DepthPolicy:
         asking only loads a saturated server with drafts nobody takes. Such steps ask only now and
         then (`explore` steps apart, twice as far after each such ask, up to 8 x explore), so that a
         server that catches up is noticed."""
-        pays = self.best if self.cohosted else self.worth  # a co-hosted server's draft costs its compute
+        def pays(limit: int) -> int:
+            return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.asked_ahead)
+
         best = pays(limit)
         if not best:
             return 0
@@ -342,10 +350,14 @@ class DepthPolicy:
             self.paused = self.explore << min(self.misses, 4)
         self.misses += 1
 
-    def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float) -> None:
+    def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float,
+                share: tuple[int, float] | None = None) -> None:
         """One step: a draft `depth` deep (0: none) waited for draft_ms (None: it was asked at an
         earlier step and waited for by none), verified `width` tokens (root and draft) in verify_ms
-        and had `accepted` tokens accepted."""
+        and had `accepted` tokens accepted. `share`: (levels drafted, ms), a co-hosted server's
+        compute on this step's draft."""
+        if share is not None and share[0] > 0:
+            self.share_ms.add(*share)
         if depth > 0:
             self.acceptance.add(depth, accepted)
             if draft_ms is not None and math.isfinite(draft_ms):
