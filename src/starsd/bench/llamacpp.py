@@ -76,7 +76,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
     if server:
         client = DraftClient(server, vocab_fingerprint(loaded.tokenizer, loaded.target.width), "bench")
         client.hello()
-        drafter = RemoteDrafter(client)
+        drafter = RemoteDrafter(client, cohosted=False)  # the server has a core of its own (star-1core)
     policy = DepthPolicy(C.DraftConfig().depth)  # one for the process, as a target process keeps: it carries over
     conn.send("ready")
     while (job := conn.recv()) is not None:

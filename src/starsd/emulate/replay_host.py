@@ -121,7 +121,7 @@ class Host:
     def _decode(self, i: int, name: str, client: DraftClient) -> None:
         target = StallingTarget(self.recording, self.latency, seed=self.seed * 100_003 + i,
                                 stall=lambda: self.stall_point(i, client), features=self.features(client.taps))
-        drafter = RemoteDrafter(client)
+        drafter = RemoteDrafter(client, cohosted=False)  # a target of a host of its own: it computes nothing here
         policy = DepthPolicy(self.draft.depth)  # one per target: what it learns carries over its prompts
         eos = frozenset(self.recording.eos_ids)
         while True:

@@ -390,7 +390,9 @@ class RemoteDrafter:
     device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
     BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
 
-    def __init__(self, client: DraftClient):
+    def __init__(self, client: DraftClient, cohosted: bool | None = None):
+        """`cohosted`: whether the server computes on this host's cores (None: whether its address is
+        on this host); False for a target that stands for one on a host of its own (a replay target)."""
         self.client = client
         # A draft may be asked without waiting (deadline 0) and picked up at a later step, unless the
         # server drafts on the cores this target verifies on: a draft asked ahead would then be
@@ -400,7 +402,7 @@ class RemoteDrafter:
         # A server on this host drafts on the cores its targets verify on, whatever the threads: what
         # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
         # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
-        self.cohosted = server_on_this_host(client.address)
+        self.cohosted = server_on_this_host(client.address) if cohosted is None else cohosted
         self.timing = Timing()
         self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
         # drafts are empty until a new session opens
