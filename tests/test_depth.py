@@ -164,6 +164,21 @@ def test_a_streams_second_step_measures_decoding_alone():
     assert chosen[:2] == [8, 0] and chosen[2:].count(0) >= 12
 
 
+def test_a_new_stream_opens_as_deep_as_its_servers_cost_per_level_allows():
+    """Nothing measured yet: a draft is taken as nearly free, and the stream opens at full depth. A
+    server whose Welcome says a level has cost 60 ms of late (against the 100 ms a pass is taken to
+    cost until measured) opens it at one or two levels; and a co-hosted one's asks ahead are judged
+    at that compute until the stream measures its own."""
+    assert DepthPolicy(8).choose(8) == 8
+    told = DepthPolicy(8)
+    told.server_prior(60.0)
+    assert 1 <= told.choose(8) <= 2
+    assert told.draft_ms(4) == pytest.approx(240.0) and told.share_ms(4) == pytest.approx(240.0)
+    told.observe(1, 1, 30.0, 2, 100.0)
+    told.server_prior(90.0)  # a later Welcome (a new session) changes no figure the stream has
+    assert told.draft_ms(1) == pytest.approx(30.0) and told.share_ms(4) == pytest.approx(360.0)
+
+
 def test_one_policy_carries_over_a_streams_generations(tiny_target, tiny_drafters):
     """A target keeps one policy for all its prompts: the second starts from what the first learnt."""
     cfg = DraftConfig(depth=4)

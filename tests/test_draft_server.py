@@ -373,3 +373,19 @@ def test_a_ping_racing_with_free_leaves_nothing_of_the_session(tiny_drafters):
     assert sessions.heartbeat(s.tag)  # held when the ping came in
     assert not dict.__contains__(sessions._by_tag, s.tag)
     assert kept_for(sessions, s.tag) == []
+
+
+def test_a_welcome_says_what_a_drafted_level_has_cost_lately(make_server):
+    """Nothing before any step is drafted (a prompt's first draft ingests it: not what a level
+    costs); after a few steps, each new session's Welcome gives the median time per level per stream
+    of the recent step batches (a new stream's prior: spec/depth.py, server_prior)."""
+    server, address = make_server()
+    a = client(address)
+    assert a.level_ms == 0.0
+    tokens = [1, 2, 3]
+    a.draft(tokens, 5, *CHAIN)
+    assert client(address).level_ms == 0.0
+    for t in range(4, 10):
+        a.draft([t], 5)
+    b = client(address)
+    assert 0 < b.level_ms == server.stats.level_ms() < 1e3 and len(server.stats.levels) == 6

@@ -153,6 +153,7 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
     ask_ahead = policy is not None and getattr(drafter, "asynchronous", False)
     if policy is not None:
         policy.cohosted = getattr(drafter, "cohosted", False)
+        policy.server_prior(getattr(drafter, "level_ms", 0.0))
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
     first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)

@@ -330,6 +330,18 @@ class DepthPolicy:
         gain = (1.0 + self.acceptance.expected(d)) * self.verify_ms(1) - self.verify_ms(d + 1)
         return max(gain, self.verify_ms(1), 2.0 * self.draft_ms(d), 1.0)
 
+    def server_prior(self, level_ms: float) -> None:
+        """The draft server's own recent time per drafted level (its Welcome; 0: unknown): until this
+        stream has measured its drafts, a draft is taken to cost at least that a level to wait for,
+        and a co-hosted server's that a level in compute, so a new stream does not open with the
+        deepest draft of a server that cannot pay for it."""
+        if level_ms <= 0:
+            return
+        if not self.draft_ms.samples:
+            self.draft_ms.prior = max(self.draft_ms.prior, level_ms)
+        if not self.share_ms.samples:
+            self.share_ms.prior = level_ms
+
     def prefill(self, ms: float) -> None:
         """The target's prefill took `ms`: until a one-token pass is measured, its cost is taken to
         be that, or the prior if more (a first deadline that trusts the draft server at least as

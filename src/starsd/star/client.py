@@ -92,6 +92,7 @@ class DraftClient:
         self.tag = 0
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
+        self.level_ms = 0.0  # the server's recent time per drafted level of a stream (its Welcome; 0: unknown)
         self._hello_at = time.monotonic()  # when the last Hello went out
 
     def _socket(self) -> zmq.Socket:
@@ -116,6 +117,7 @@ class DraftClient:
         welcome = got[0]
         self.tag = welcome.tag
         self.taps = None if welcome.taps is None else tuple(welcome.taps)
+        self.level_ms = welcome.level_ms
         if self.heartbeat_s > 0:
             if self._heartbeat:
                 self._heartbeat.stop()
@@ -429,6 +431,11 @@ class RemoteDrafter:
             seq.pending = len(seq.tokens)
             seq.pending_since = time.monotonic()
         return seq
+
+    @property
+    def level_ms(self) -> float:
+        """The server's recent time per drafted level of a stream, as its Welcome said (0: unknown)."""
+        return self.client.level_ms
 
     @property
     def taps(self) -> tuple[int, ...] | None:

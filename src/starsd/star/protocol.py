@@ -39,8 +39,8 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 3  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
-# travels as its support (ids and float16 weights), not as float32 [n, V]
+PROTOCOL_VERSION = 4  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+# travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome says the server's level_ms
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -112,6 +112,8 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     max_nodes: int  # config.MAX_DRAFT_NODES: no draft of this server has more
     taps: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_TAPS)] | None = None  # the target features
     # its drafter needs (models/eagle.py: () the last hidden state, else those hidden states); None: tokens only
+    level_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's recent time per drafted level
+    # of one stream's draft (ServerStats.level_ms; 0: none measured yet): a new stream's prior for what a draft costs
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -188,7 +188,8 @@ class DraftServer:
         try:
             if isinstance(msg, P.Hello):
                 s = self.sessions.open(req.peer, msg, req.user, req.local)
-                self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps))
+                self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps,
+                                                      self.stats.level_ms()))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:
@@ -281,6 +282,8 @@ class DraftServer:
             return self._isolate(items, states)
         end = time.perf_counter()
         self.stats.batch(start, end, len(items))
+        if not any(r.msg.reset for _, r in items):  # a prompt's ingest is not what a level costs
+            self.stats.level((end - start) * 1e3, max(t.depth() for t in trees), len(items))
         for (s, r), job, tree, tokens in zip(items, jobs, trees, ingest):
             self.stats.drafted("reset" if r.msg.reset else "step", tokens)
             s.carry = []

@@ -37,6 +37,7 @@ class ServerStats:
         # draft state) and "step" (the tokens a stream committed since its last draft)
         self.work: collections.Counter = collections.Counter()
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
+        self.levels: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step batches
 
     def count(self, name: str, n: int = 1) -> None:
         """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed, predraft_*."""
@@ -56,6 +57,19 @@ class ServerStats:
         with self.lock:
             self.work[f"{kind}_rows"] += 1
             self.work[f"{kind}_tokens"] += tokens
+
+    def level(self, ms: float, levels: int, size: int) -> None:
+        """A batch of `size` streams' steps (no prompt ingested) drafted `levels` levels in `ms`."""
+        if levels > 0:
+            with self.lock:
+                self.levels.append(ms / levels / size)
+
+    def level_ms(self) -> float:
+        """The median of recent step batches' time per drafted level per stream (0: none yet): what a
+        stream's draft costs the server, a level at a time, whatever the batch (a new stream's prior)."""
+        with self.lock:
+            ordered = sorted(self.levels)
+        return ordered[len(ordered) // 2] if ordered else 0.0
 
     def recent_busy(self, seconds: float) -> float:
         """Share of the last `seconds` spent drafting."""
