@@ -8,7 +8,7 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.star import protocol as P
-from starsd.star.client import DraftClient, DraftServerError
+from starsd.star.client import DraftClient, DraftServerError, RemoteDrafter
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer, _to_ingest
 from starsd.star.transport import Request
@@ -389,3 +389,25 @@ def test_a_welcome_says_what_a_drafted_level_has_cost_lately(make_server):
         a.draft([t], 5)
     b = client(address)
     assert 0 < b.level_ms == server.stats.level_ms() < 1e3 and len(server.stats.levels) == 6
+    a.close()
+    b.close()
+
+
+def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(make_server):
+    """A target's session opens with the star (its Welcome says nothing yet); its heartbeat's Pongs
+    bring the figure once another stream's steps have been drafted."""
+    server, address = make_server()
+    quiet = DraftClient(address, FP, "quiet", timeout_s=10, heartbeat_s=0.05)
+    quiet.hello()
+    drafter = RemoteDrafter(quiet)
+    assert drafter.level_ms == 0.0
+    busy = client(address)
+    busy.draft([1, 2, 3], 5, *CHAIN)
+    for t in range(4, 10):
+        busy.draft([t], 5)
+    deadline = time.monotonic() + 5
+    while drafter.level_ms == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert drafter.level_ms == server.stats.level_ms() > 0
+    quiet.close()
+    busy.close()

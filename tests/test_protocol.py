@@ -31,7 +31,7 @@ def test_request_and_reply_round_trip_with_raw_tensors():
 
 def test_every_message_type_round_trips():
     for msg in (P.Hello(1, "ab", "t"), P.Welcome(3, "s", 64), P.Welcome(3, "s", 64, None, 12.5), P.Bye(3), P.Error("x", "y", 1, 2), P.Ping(1, 2.0),
-                P.Pong(1, 2.0), P.StatsRequest(), P.Stats("{}")):
+                P.Pong(1, 2.0), P.Pong(1, 2.0, False, 7.5), P.StatsRequest(), P.Stats("{}")):
         assert roundtrip(msg)[0] == msg
 
 

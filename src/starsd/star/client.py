@@ -263,6 +263,7 @@ class Heartbeat(threading.Thread):
         self._stop_event = threading.Event()
         self._last_pong = time.monotonic() + grace_s
         self.session_gone = False  # a Pong said the server does not hold session `tag` (restarted, or freed it)
+        self.level_ms = 0.0  # the server's time per drafted level, as its last Pong said (0: none said it yet)
 
     def silent_s(self) -> float:
         """Seconds since the server last answered a ping (or since the heartbeat started, plus
@@ -287,6 +288,8 @@ class Heartbeat(threading.Thread):
                         continue  # an answer all the same: the server is alive
                     if isinstance(msg, P.Pong) and not msg.known:
                         self.session_gone = True
+                    if isinstance(msg, P.Pong) and msg.level_ms > 0:
+                        self.level_ms = msg.level_ms
         finally:
             sock.close(0)
 
@@ -434,8 +437,10 @@ class RemoteDrafter:
 
     @property
     def level_ms(self) -> float:
-        """The server's recent time per drafted level of a stream, as its Welcome said (0: unknown)."""
-        return self.client.level_ms
+        """The server's recent time per drafted level of a stream, as its heartbeat's last Pong said,
+        else its Welcome (0: unknown)."""
+        beat = self.client._heartbeat
+        return beat.level_ms if beat is not None and beat.level_ms > 0 else self.client.level_ms
 
     @property
     def taps(self) -> tuple[int, ...] | None:

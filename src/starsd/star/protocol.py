@@ -40,7 +40,8 @@ import zmq
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
 PROTOCOL_VERSION = 4  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
-# travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome says the server's level_ms
+# travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
+# level_ms
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -159,6 +160,7 @@ class Pong(msgspec.Struct, array_like=True, frozen=True):
     sent: float
     known: bool = True  # whether the server holds session `tag` (a draft server's answer; False after a
     # restart or once the session was freed, so its target opens a new one without waiting for a refusal)
+    level_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # a draft server's, as in Welcome, kept fresh
 
 
 class StatsRequest(msgspec.Struct, array_like=True, frozen=True):
