@@ -120,7 +120,7 @@ def test_killed_target_is_reclaimed_and_others_finish(star, dirs, local):
 
 
 def test_the_first_draft_is_made_while_the_target_prefills(star, local):
-    from starsd.star.client import RemoteDrafter
+    from starsd.star.remote_drafter import RemoteDrafter
 
     client = DraftClient(star.address, vocab_fingerprint(local.tokenizer, logits_width(local.target.model)), "ahead")
     try:

@@ -8,7 +8,8 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.star import protocol as P
-from starsd.star.client import DraftClient, DraftServerError, RemoteDrafter
+from starsd.star.client import DraftClient, DraftServerError
+from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer, _to_ingest
 from starsd.star.transport import Request
@@ -186,7 +187,7 @@ def test_a_request_refused_as_busy_costs_one_draft_not_the_session(tiny_target, 
     target decodes that step without a draft, sends its tokens with the next request, and the
     output is still target-only greedy decoding."""
     from starsd.spec.decode import speculative, target_only
-    from starsd.star.client import RemoteDrafter
+    from starsd.star.remote_drafter import RemoteDrafter
 
     gated = Gated(tiny_drafters["good"])
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -405,8 +406,8 @@ def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(
     busy.draft([1, 2, 3], 5, *CHAIN)
     for t in range(4, 10):
         busy.draft([t], 5)
-    deadline = time.monotonic() + 5
-    while drafter.level_ms == 0.0 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 5  # the next Pong after the last step brings the figure of now
+    while drafter.level_ms != server.stats.level_ms() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert drafter.level_ms == server.stats.level_ms() > 0
     quiet.close()

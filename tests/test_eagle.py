@@ -22,7 +22,8 @@ from starsd.spec.decode import speculative, target_only
 from starsd.spec.verify import warp
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.star import protocol as P
-from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.client import DraftClient
+from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.launch import run_targets, start_server
 
 LAYERS = 8  # EAGLE-3 taps the inputs of layers 2, 4 and 5

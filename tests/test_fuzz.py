@@ -388,7 +388,8 @@ def test_corpus_replayed_to_a_live_server(live):
 def test_a_server_that_answers_nonsense_costs_a_target_its_drafts_not_its_stream():
     """A malformed reply used to escape DraftClient as a ProtocolError and end the generation."""
     from starsd.config import DraftConfig, SamplingConfig
-    from starsd.star.client import DraftServerError, RemoteDrafter
+    from starsd.star.client import DraftServerError
+    from starsd.star.remote_drafter import RemoteDrafter
 
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)

@@ -12,7 +12,8 @@ import torch
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import DraftJob
 from starsd.spec.decode import speculative, target_only
-from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.client import DraftClient
+from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star import ahead
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer

@@ -38,8 +38,9 @@ from starsd.spec.decode import speculative_steps
 from starsd.spec.depth import DepthPolicy
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import warp
-from starsd.star import client as client_module
-from starsd.star.client import DraftClient, RemoteDrafter, Timing, query_stats
+from starsd.star import remote_drafter as client_module
+from starsd.star.client import DraftClient, query_stats
+from starsd.star.remote_drafter import RemoteDrafter, Timing
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 

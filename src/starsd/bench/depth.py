@@ -25,7 +25,8 @@ from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_panels, summary, write_json
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import DepthPolicy
-from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.client import DraftClient
+from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.launch import start_server
 
 

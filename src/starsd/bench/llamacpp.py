@@ -68,7 +68,8 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
     from starsd.spec.decode import speculative, target_only
     from starsd.spec.depth import DepthPolicy
     from starsd.spec.tree import DraftTree
-    from starsd.star.client import DraftClient, RemoteDrafter
+    from starsd.star.client import DraftClient
+    from starsd.star.remote_drafter import RemoteDrafter
 
     torch.set_num_threads(len(cores))
     loaded = Pair.load(pair.target_model(), pair.draft_model() if with_draft else None, pair.cache, len(cores))

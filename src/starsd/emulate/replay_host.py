@@ -23,7 +23,8 @@ from starsd.emulate.replay import LatencyProfile, Recording, ReplaySequence, Rep
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import DepthPolicy
 from starsd.spec.verify import Verdict
-from starsd.star.client import DraftClient, RemoteDrafter, Timing
+from starsd.star.client import DraftClient
+from starsd.star.remote_drafter import RemoteDrafter, Timing
 
 
 class Host:

@@ -23,7 +23,8 @@ from starsd.spec.decode import speculative_steps, target_only_steps
 from starsd.spec.depth import DepthPolicy
 from starsd.star import protocol as P
 from starsd.star import security
-from starsd.star.client import DraftClient, RemoteDrafter
+from starsd.star.client import DraftClient
+from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.textstream import TextStream
 
 log = logging.getLogger("starsd.target")

@@ -16,7 +16,8 @@ from starsd.models.pair import Pair
 from starsd.prompts import Prompt
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.depth import DepthPolicy
-from starsd.star.client import DraftClient, RemoteDrafter, Timing
+from starsd.star.client import DraftClient
+from starsd.star.remote_drafter import RemoteDrafter, Timing
 
 
 def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_tokens: int, sampling: SamplingConfig,

@@ -1,0 +1,348 @@
+"""A drafter that lives on a draft server: RemoteDrafter has the Drafter interface (start /
+propose), so the target runs the very same draft -> verify -> accept loop (spec.decode.speculative)
+whether its drafter is local or remote. It keeps each stream's place on the server (RemoteSequence),
+what its drafts took (Timing), and the recovery from a server that is slow, full, gone or back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.spec.sparse_q import SparseQ
+from starsd.spec.tree import DraftTree
+from starsd.star import protocol as P
+from starsd.star.client import GO_ON_ALONE, DraftClient, DraftServerError
+from starsd.star.hosts import server_on_this_host, shares_cores
+
+log = logging.getLogger("starsd.client")
+
+
+@dataclass
+class RemoteSequence:
+    tokens: list[int]  # committed tokens, as the target sees them
+    sent: int = 0  # how many of them the draft server holds; 0: the next request is a reset
+    pending: int = 0  # a request is in flight (its reply not read yet): the server will hold this many
+    # tokens once it is taken. Set by start()'s early reset and by a draft that missed its deadline.
+    pending_since: float = 0.0  # when that request went out (monotonic s)
+    alone_until: float = 0.0  # no drafts before this (monotonic s): the server refused this stream for want of room
+    taps: tuple[int, ...] | None = None  # the target features this stream keeps for an EAGLE head (None: none)
+    features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: [rows, F] chunks, the features of
+    # tokens[1:] in order (row j: the target's feature at position j); a reset sends them all again
+    feature_count: int = 0  # rows in `features`
+    behind: int = 0  # the last draft given was asked this many committed tokens ago (0: for the current prefix)
+    share_ms: float = 0.0  # the server's time on the last draft given, over the streams of its batch
+
+    def add_features(self, chunk: torch.Tensor) -> None:
+        self.features.append(chunk)
+        self.feature_count += len(chunk)
+
+    def feature_rows(self, start: int, bits: int) -> tuple[torch.Tensor, ...]:
+        """The wire frames of the features of tokens[start:] (a first token's row: zeros)."""
+        if self.feature_count != len(self.tokens) - 1:
+            raise RuntimeError(f"{len(self.tokens)} tokens but {self.feature_count} feature rows")
+        need = len(self.tokens) - max(start, 1)  # rows from the end; only a reset reads them all
+        tail: list[torch.Tensor] = []
+        for chunk in reversed(self.features):
+            if need <= 0:
+                break
+            tail.insert(0, chunk[-need:])
+            need -= len(tail[0])
+        rows = torch.cat(tail) if tail else self.features[0][:0]
+        if start == 0:
+            rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])
+        return P.features_to_wire(rows, bits)
+
+
+@dataclass
+class Timing:
+    """Per draft request, as the target saw it (ms), one entry per request in order. overhead = wall -
+    queue - service: serialisation, transport and the server's IO hop. A request the server turned
+    away as busy, or whose draft missed the target's deadline (that step decoded without a draft),
+    has batch 0 and no queue or service time."""
+
+    wall: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    service: list[float] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    late: int = 0  # requests whose draft missed the deadline (their steps decoded alone)
+    ahead: int = 0  # requests asked without waiting (deadline 0), for a later step to pick up
+    taken_late: int = 0  # drafts picked up at a later step than asked, and still following the committed tokens
+
+    def add(self, wall: float, queue: float = 0.0, service: float = 0.0, batch: int = 0) -> None:
+        self.wall.append(wall)
+        self.queue.append(queue)
+        self.service.append(service)
+        self.batch.append(batch)
+
+    @property
+    def refused(self) -> int:
+        return self.batch.count(0) - self.late - self.ahead
+
+    def summary(self) -> dict:
+        """Means over the answered requests."""
+        answered = [i for i, b in enumerate(self.batch) if b]
+        n = len(answered)
+        if not n:
+            return {"requests": 0, "refused": self.refused, "late": self.late, "ahead": self.ahead,
+                    "taken_late": self.taken_late} if self.batch else {}
+
+        def mean(xs):
+            return sum(xs[i] for i in answered) / n
+
+        overhead = [w - q - s for w, q, s in zip(self.wall, self.queue, self.service)]
+        return {"requests": n, "wall_ms": mean(self.wall), "queue_ms": mean(self.queue),
+                "service_ms": mean(self.service), "overhead_ms": mean(overhead),
+                "mean_batch": mean(self.batch), "refused": self.refused, "late": self.late,
+                "ahead": self.ahead, "taken_late": self.taken_late}
+
+
+class RemoteDrafter:
+    """The Drafter interface, served by a draft server. A request refused as busy gives an empty
+    draft (the target decodes that step alone) and its tokens go with the next request.
+
+    A server that stops answering (`unreachable`, or no reply within the client's timeout) also
+    gives empty drafts: the target decodes alone, losing nothing, since every committed token stays
+    in the sequence. Once the heartbeat hears the server again (a restart at the same address), the
+    drafter opens a new session, at most once per backoff (0.5 s, doubling to 30 s while hellos
+    fail), and its next request is a reset carrying the whole accepted prefix. A client with no
+    session yet (its hello was refused) starts that way.
+
+    A server that is full (`kv_full`: its draft KV budget is taken) gives empty drafts for the
+    backoff's first wait, then the stream asks again with a reset; a stream past the server's
+    context limit (`context_full`) decodes alone to its end."""
+
+    device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
+    BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
+
+    def __init__(self, client: DraftClient, cohosted: bool | None = None):
+        """`cohosted`: whether the server computes on this host's cores (None: whether its address is
+        on this host); False for a target that stands for one on a host of its own (a replay target)."""
+        self.client = client
+        # A draft may be asked without waiting (deadline 0) and picked up at a later step, unless the
+        # server drafts on the cores this target verifies on: a draft asked ahead would then be
+        # computed during the target's own pass, each slowing the other (on 2 cores, a target and a
+        # server at 2 threads each), and the two take turns instead, as a co-located pair does.
+        self.asynchronous = not shares_cores(client.address, torch.get_num_threads())
+        # A server on this host drafts on the cores its targets verify on, whatever the threads: what
+        # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
+        # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
+        self.cohosted = server_on_this_host(client.address) if cohosted is None else cohosted
+        self.timing = Timing()
+        self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
+        # drafts are empty until a new session opens
+        self.outages = 0
+        self._backoff_s = self.BACKOFF_S[0]
+        self._retry_at = 0.0
+        self._hello_at: float | None = None  # when the Hello of a new session went out (None: none in flight)
+        self._down_at = time.monotonic()  # when the last session was lost
+        # Running averages over this drafter's streams (a new prompt starts from what the last ones
+        # saw: a saturated server is as slow for a stream's first draft as for its hundredth):
+        self.lateness = 1.0  # tokens committed between a request and the reading of its reply, when that
+        # came after the target had gone on (a draft asked ahead needs to be this much deeper)
+        self.server_ms = 0.0  # the draft server's time on a request (queue + draft), as its replies say
+        # (what a draft asked ahead comes after, at the least)
+
+    def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
+              max_depth: int = 0) -> RemoteSequence:
+        """With settings and max_depth > 0, the stream's reset goes out at once: the draft server
+        prefills the prompt and drafts while the target prefills it, and the first propose() finds
+        its draft waiting (the draft's prefill no longer adds to the time to the first token)."""
+        seq = RemoteSequence(list(prompt_ids), taps=self.taps)
+        if cfg is not None and max_depth > 0 and self._session(seq, wait=False) and seq.taps is None:
+            self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling)
+            seq.pending = len(seq.tokens)
+            seq.pending_since = time.monotonic()
+        return seq
+
+    @property
+    def level_ms(self) -> float:
+        """The server's recent time per drafted level of a stream, as its heartbeat's last Pong said,
+        else its Welcome (0: unknown)."""
+        beat = self.client._heartbeat
+        return beat.level_ms if beat is not None and beat.level_ms > 0 else self.client.level_ms
+
+    @property
+    def taps(self) -> tuple[int, ...] | None:
+        """The target features the server's drafter needs (None: tokens only), as its Welcome said."""
+        return self.client.taps
+
+    def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
+                generator=None, max_depth: int = 1 << 30, deadline_ms: float | None = None,
+                features: torch.Tensor | None = None) -> DraftTree:
+        """`generator` is unused: a sampled draft draws from the server's per-session generator,
+        seeded as the co-located drafter's is, so seeded runs match. A draft that has not come
+        within `deadline_ms` (spec/depth.py; 0: ask without waiting) gives an empty draft; its
+        request stays in flight, and a later call reads its reply first: if the tokens committed
+        since it was asked spell a path of its tree, the subtree below that path is that call's
+        draft (DraftTree.follow; `seq.behind` says how many tokens late it is), else it is dropped
+        and the next request goes out. `features`: for an EAGLE head, the target's features of the
+        new tokens (spec/decode.py); a stream that began without them, or for another head,
+        decodes alone."""
+        seq.tokens.extend(new_tokens)
+        seq.behind = 0  # until a late draft is taken below: whatever this call returns is not one
+        if features is not None:
+            seq.add_features(features)
+        if seq.taps != self.taps:
+            return DraftTree.empty()
+        budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
+        t0 = time.perf_counter()
+        until = None if deadline_ms is None else time.monotonic() + deadline_ms / 1e3
+        if not self._session(seq, wait=True) or time.monotonic() < seq.alone_until:
+            self.timing.add((time.perf_counter() - t0) * 1e3)
+            return DraftTree.empty()
+        for attempt in range(2):
+            try:
+                reply, tree = self._request(seq, cfg, sampling, budget, until)
+                break
+            except Late:
+                if deadline_ms == 0:
+                    self.timing.ahead += 1
+                else:
+                    self.timing.late += 1
+                self.timing.add((time.perf_counter() - t0) * 1e3)
+                return DraftTree.empty()
+            except DraftServerError as e:
+                if e.code in ("unreachable", "timeout", "bad_reply", "unknown_session"):
+                    self._lost(seq, e)
+                if e.code in ("kv_full", "context_full"):
+                    seq.sent = 0  # refused with the server's state of it gone: the next request is a reset
+                    seq.alone_until = time.monotonic() + (self.BACKOFF_S[0] if e.code == "kv_full" else math.inf)
+                if e.code == "unknown_session" and not attempt and self._back(seq):
+                    continue  # the server dropped the session (restart, timeout): this step's request is a
+                    # reset on the new one
+                if e.code in GO_ON_ALONE or e.code in ("context_full", "unknown_session"):
+                    self.timing.add((time.perf_counter() - t0) * 1e3)
+                    return DraftTree.empty()
+                if attempt or e.code != "reset_required":
+                    raise
+                seq.sent = 0
+        wall = (time.perf_counter() - t0) * 1e3
+        seq.share_ms = reply.service_ms / max(1, reply.batch_size)
+        if seq.behind:  # asked at an earlier step: its round trip as the target saw it runs from then
+            self.timing.taken_late += 1
+            wall = (time.monotonic() - seq.pending_since) * 1e3
+        self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size)
+        took = reply.queue_ms + reply.service_ms  # a server found faster is believed at once (it is asked
+        # again only now and then while it seems too slow), a slower one over a few replies
+        self.server_ms = min(took, self.server_ms + 0.25 * (took - self.server_ms))
+        return tree
+
+    def keep_up(self, seq: RemoteSequence) -> None:
+        """On a step that asks no draft (spec/decode.py): a new session's Welcome is read, or a new
+        hello sent when one is due, as at any step. A target that stopped asking for a while (no
+        draft pays, or it paused after missed deadlines) would otherwise leave the Welcome unread,
+        and the server frees a session it hears nothing of."""
+        self._session(seq, wait=False)
+
+    def _session(self, seq: RemoteSequence, wait: bool) -> bool:
+        """Whether a session is open for a request now. A session the heartbeat's replies say is gone
+        (the server restarted, or freed it) is dropped, and a new one asked for at once; while down,
+        _back() (waiting for the Welcome only with `wait`)."""
+        if not self.down and self.client.session_gone():
+            self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
+        return not self.down or self._back(seq, wait)
+
+    def _lost(self, seq: RemoteSequence, why: DraftServerError) -> None:
+        """The session is gone: its server is silent or broken (a new hello waits for the backoff), or
+        it answers but no longer holds the session (`unknown_session`: a new hello at once)."""
+        log.warning("%s: draft session lost (%s); decoding alone until a new one opens", self.client.name, why)
+        self.down = True
+        self._down_at = time.monotonic()
+        self.outages += 1
+        seq.pending = 0  # that socket is closed before the next request: no reply of it will be read
+        seq.sent = 0  # whatever session comes next starts from the whole accepted prefix
+        self._backoff_s = self.BACKOFF_S[0]
+        self._retry_at = time.monotonic() + (0.0 if why.code == "unknown_session" else self._backoff_s)
+
+    def _back(self, seq: RemoteSequence, wait: bool = True) -> bool:
+        """While down: once the server answers pings again and the backoff has passed, send a Hello on
+        a fresh socket and (with `wait`) wait up to dead_after_s for its Welcome; if it has not come,
+        look for it at each later step without waiting (a server busy with a long batch answers
+        late, and a client that gave up and said hello again would leave a session behind each
+        time). True once the session is open."""
+        if self._hello_at is None:
+            if time.monotonic() < self._retry_at or not self.client.reachable():
+                return False
+            self.client.reopen()
+            self._hello_at = time.monotonic()
+            log.info("%s: hello for a new draft session, on a fresh connection", self.client.name)
+        # a server at ease answers within dead_after_s of the hello: with `wait`, wait out what is left
+        # of that, to draft this very step
+        wait_s = max(0.0, self.client.dead_after_s - (time.monotonic() - self._hello_at)) if wait else 0.0
+        try:
+            welcome = self.client.receive_welcome(wait_s=wait_s)
+            given_up = welcome is None and time.monotonic() - self._hello_at > self.client.timeout_s
+        except DraftServerError as e:  # refused (full) or unreachable
+            log.info("%s: no new draft session yet (%s)", self.client.name, e)
+            welcome = None
+            given_up = True
+        if welcome is None:
+            if given_up:  # try again after the backoff
+                log.warning("%s: no Welcome %.0f s after hello; trying again in %.1f s", self.client.name,
+                            time.monotonic() - self._hello_at, 2 * self._backoff_s)
+                self._hello_at = None
+                self._backoff_s = min(2 * self._backoff_s, self.BACKOFF_S[1])
+                self._retry_at = time.monotonic() + self._backoff_s
+            return False
+        log.info("%s: new draft session %x, %.1f s after the last was lost", self.client.name, welcome.tag,
+                 time.monotonic() - self._down_at)
+        self._hello_at = None
+        self.down = False
+        seq.sent = 0
+        seq.pending = 0
+        return True
+
+    def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int,
+                 until: float | None) -> tuple[P.DraftReply, DraftTree]:
+        if seq.pending:  # a request is in flight (start()'s reset, or a draft that came late): its reply first
+            reply, tensors = self._settle(seq, until)
+            if seq.sent < len(seq.tokens):
+                self.lateness += 0.25 * (len(seq.tokens) - seq.sent - self.lateness)
+            tree = _tree(tensors).follow(seq.tokens[seq.sent:])  # still a draft of what was committed since?
+            if seq.sent == len(seq.tokens) or len(tree):
+                seq.behind = len(seq.tokens) - seq.sent
+                return reply, tree
+        features = () if seq.taps is None else seq.feature_rows(seq.sent, cfg.feature_bits)
+        if seq.sent == 0:
+            self.client.send_draft(seq.tokens, budget, cfg, sampling, features)
+        else:
+            self.client.send_draft(seq.tokens[seq.sent:], budget, features=features)
+        seq.pending = len(seq.tokens)
+        seq.pending_since = time.monotonic()
+        reply, tensors = self._settle(seq, until)
+        return reply, _tree(tensors)
+
+    def _settle(self, seq: RemoteSequence, until: float | None):
+        """The in-flight request's reply; the server then holds seq.pending tokens. Raises Late if it
+        has not come by `until` (monotonic s), DraftServerError if it was refused (and not taken)."""
+        held = seq.pending
+        try:
+            reply = self.client.receive_draft(until)
+        except DraftServerError:
+            seq.pending = 0
+            raise
+        if reply is None:  # a server that died with the request would leave it in flight for good
+            if not self.client.reachable():
+                raise DraftServerError("unreachable", "the draft server answers no heartbeat")
+            if time.monotonic() - seq.pending_since > self.client.timeout_s:
+                raise DraftServerError("timeout", f"no answer within {self.client.timeout_s:.0f} s")
+            raise Late()
+        seq.pending = 0
+        seq.sent = held
+        return reply
+
+
+def _tree(tensors: tuple) -> DraftTree:
+    """A DraftReply's frames as a draft: tokens, parents and, for a sampled draft, q's ids and weights."""
+    q = SparseQ(tensors[2].long(), tensors[3].clone()) if len(tensors) == 4 else None
+    return DraftTree(tensors[0].long(), tensors[1].long(), q)
+
+
+class Late(Exception):
+    """A draft did not come within the target's deadline; its request is still in flight."""
