@@ -9,10 +9,12 @@ import tiny
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.emulate.delay_proxy import DelayProxy
 from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.spec.drafting import LocalDrafting
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative, speculative_steps, target_only
 from starsd.spec.depth import DepthPolicy
-from starsd.star.client import DraftClient, RemoteDrafter, query_stats
+from starsd.star.client import DraftClient, query_stats
+from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.launch import start_server
 from starsd.star.processes import free_port
 
@@ -26,8 +28,9 @@ def dirs(tmp_path_factory):
     return {"target": target, "draft": draft}
 
 
-class KillAt:
-    """A drafter that kills the draft server just before its k-th draft request, and times it."""
+class KillAt(LocalDrafting):
+    """A drafter that kills the draft server just before its k-th draft request, and times it (each
+    draft waited for, as of a drafter in this process)."""
 
     def __init__(self, drafter: RemoteDrafter, k: int, kill):
         self.drafter = drafter

@@ -9,6 +9,7 @@ import tiny
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.spec.decode import speculative, target_only
+from starsd.spec.drafting import LocalDrafting
 from starsd.spec.verify import warp
 
 GREEDY = SamplingConfig()
@@ -218,7 +219,7 @@ def test_a_draft_outside_the_targets_vocabulary_is_refused(tiny_target, tiny_dra
     good = tiny_drafters["perfect"]
     width = tiny_target.width
 
-    class OutOfRange:
+    class OutOfRange(LocalDrafting):
         device, taps = good.device, None
 
         def __init__(self):

@@ -18,6 +18,7 @@ import torch
 from starsd import config as C
 from starsd.results import Steps, bar_plot, summary, write_json
 from starsd.models.drafter import Drafter
+from starsd.spec.drafting import LocalDrafting
 from starsd.models.loading import load_eagle
 from starsd.models.pair import Pair
 from starsd.star import protocol as P
@@ -27,7 +28,7 @@ MODES = ("target_only", "speculative", "eagle", "eagle8", "hf_assisted")
 EAGLE_MODES = {"eagle": 16, "eagle8": 8}  # mode -> feature bits
 
 
-class WireFeatures:
+class WireFeatures(LocalDrafting):
     """A drafter fed the target's features as they would arrive over the wire at `bits` bits; counts
     the request bytes (token ids and feature frames) per draft."""
 

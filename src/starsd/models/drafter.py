@@ -34,6 +34,7 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.models import forward as fw
 from starsd.models.eagle import EagleHead
 from starsd.models.kv import KV
+from starsd.spec.drafting import LocalDrafting
 from starsd.spec.sparse_q import SparseQ
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import sample, warp
@@ -161,9 +162,7 @@ class Expansion:
         return DraftTree(tokens, parents)
 
 
-class Drafter:
-    asynchronous = False  # a draft made here costs its caller the time it takes: never asked ahead
-
+class Drafter(LocalDrafting):
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.eagle = isinstance(model, EagleHead)

@@ -3,8 +3,8 @@
 Both loops share the target's forward pass and the sampling code, so greedy speculative output can
 be compared token for token with target-only output. They work on interfaces, not on models:
 a target has `device`, `start`, `score` and `commit` (models.target.TargetModel, or a replay
-target); a drafter has `device`, `taps`, `start` and `propose` (models.drafter.Drafter in this
-process, star.client.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
+target); a drafter is a DraftSource (spec/drafting.py: models.drafter.Drafter in this process,
+star.remote_drafter.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
 can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
 as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
 it gave is; the drafter's `lateness` how many tokens such drafts usually come after their ask, and
@@ -26,6 +26,7 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.spec.depth import DepthPolicy
+from starsd.spec.drafting import DraftSource
 from starsd.spec.tree import DraftTree
 from starsd.spec.verify import Verdict, make_generator, next_token, verify
 from starsd.errors import SettingError
@@ -103,7 +104,7 @@ def target_only(target, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
     return collect(target_only_steps(target, prompt_ids, max_new_tokens, sampling, eos_ids), deadline)
 
 
-def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
+def speculative(target, drafter: DraftSource, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
                 sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf,
                 policy: DepthPolicy | None = None) -> Generation:
     """The whole generation of speculative_steps, or its steps up to the first ending past `deadline`."""
@@ -128,7 +129,7 @@ def target_only_steps(target, prompt_ids: list[int], max_new_tokens: int, sampli
             target.commit(seq, Verdict([], emitted))
 
 
-def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
+def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
                       sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
                       policy: DepthPolicy | None = None) -> Iterator[Step]:
     """Draft -> verify -> accept until the budget or an EOS, one Step per target pass; a consumer
@@ -150,10 +151,10 @@ def speculative_steps(target, drafter, prompt_ids: list[int], max_new_tokens: in
 
     taps = drafter.taps
     width = getattr(target, "width", None)
-    ask_ahead = policy is not None and getattr(drafter, "asynchronous", False)
+    ask_ahead = policy is not None and drafter.asynchronous
     if policy is not None:
-        policy.cohosted = getattr(drafter, "cohosted", False)
-        policy.server_prior(getattr(drafter, "level_ms", 0.0))
+        policy.cohosted = drafter.cohosted
+        policy.server_prior(drafter.level_ms)
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
     first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)

@@ -1,0 +1,53 @@
+"""The seam between the decode loop (spec/decode.py) and a drafter: what the loop asks of one.
+
+Two kinds implement it: models.drafter.Drafter, a draft model in this process, whose draft costs its
+caller the time it takes (LocalDrafting's answers), and star.remote_drafter.RemoteDrafter, a draft
+model on a draft server, which may be asked a draft without waiting and picked up at a later step.
+A new engine's drafter implements DraftSource, and the loop needs nothing else of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.spec.tree import DraftTree
+
+
+class DraftSource(Protocol):
+    device: torch.device  # where a sampled draft's generator lives
+    taps: tuple[int, ...] | None  # the target features a feature-level drafter needs (None: tokens only)
+    asynchronous: bool  # a draft may be asked without waiting (deadline 0) and taken at a later step
+    cohosted: bool  # its drafts are computed on this host's cores, even those nobody waits for
+    level_ms: float  # what a drafted level has cost of late (0: not known): a new stream's prior
+    lateness: float  # asynchronous: tokens a stream commits between asking a draft and reading it
+    server_ms: float  # asynchronous: the drafting side's own time on a request
+
+    def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
+              max_depth: int = 0) -> Any:
+        """A new stream's draft state (the drafter's sequence), given the prompt."""
+
+    def propose(self, seq: Any, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
+                generator: torch.Generator | None = None, max_depth: int = 1 << 30,
+                deadline_ms: float | None = None, features: torch.Tensor | None = None) -> DraftTree:
+        """A draft below the tokens committed so far (new_tokens: those since the last call)."""
+
+    def keep_up(self, seq: Any) -> None:
+        """On a step that asks no draft: whatever keeps the drafter's side of the stream alive."""
+
+
+class LocalDrafting:
+    """DraftSource's answers for a drafter in this process: its draft is computed when asked, on the
+    caller's time, so it is never asked ahead, costs no compute beyond that wait, and has nothing to
+    keep up between drafts."""
+
+    asynchronous = False
+    cohosted = False
+    level_ms = 0.0
+    lateness = 1.0
+    server_ms = 0.0
+
+    def keep_up(self, seq: Any) -> None:
+        pass
