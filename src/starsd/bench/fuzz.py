@@ -82,8 +82,7 @@ def draft_request(tag: int, step: int, tokens: torch.Tensor, reset: bool, budget
                   extra: tuple[torch.Tensor, ...] = ()) -> Frames:
     """A draft request's frames; a reset carries `draft` and `sampling`."""
     settings = (draft, sampling) if reset else (None, None)
-    tensors = (tokens, *extra)
-    return frames(P.DraftRequest(tag, step, reset, *settings, budget, P.specs(*tensors)), tensors)
+    return frames(*P.draft_request(tag, step, tokens, budget, *settings, extra))
 
 
 def valid_message(rng: random.Random) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:

@@ -332,10 +332,8 @@ class Line:
 
 def request(tag: int, step: int, tokens: list[int], budget: int = 8, reset: bool = False) -> list:
     """A DraftRequest's frames (a reset carries settings: a 4-deep chain, greedy)."""
-    t = torch.tensor(tokens, dtype=torch.int32)
-    draft = C.DraftConfig(depth=4, adaptive=False) if reset else None
-    sampling = C.SamplingConfig() if reset else None
-    return P.encode(P.DraftRequest(tag, step, reset, draft, sampling, budget, P.specs(t)), (t,))
+    settings = (C.DraftConfig(depth=4, adaptive=False), C.SamplingConfig()) if reset else ()
+    return P.encode(*P.draft_request(tag, step, torch.tensor(tokens, dtype=torch.int32), budget, *settings))
 
 
 def script(tag: int, fingerprint: str, vocab_size: int, prompt: list[int]) -> list[Line]:

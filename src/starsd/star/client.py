@@ -168,11 +168,10 @@ class DraftClient:
                    sampling: SamplingConfig | None = None, features: tuple[torch.Tensor, ...] = ()) -> None:
         """The first half of draft(): the request goes out; receive_draft() must come before the next.
         `features`: the tokens' target features as protocol.features_to_wire gives them."""
-        reset = draft is not None
-        if reset:
+        if draft is not None:  # a reset
             self.step += 1
-        tensors = (torch.tensor(tokens, dtype=torch.int32), *features)
-        self._send(P.DraftRequest(self.tag, self.step, reset, draft, sampling, budget, P.specs(*tensors)), tensors)
+        self._send(*P.draft_request(self.tag, self.step, torch.tensor(tokens, dtype=torch.int32), budget, draft,
+                                    sampling, features))
 
     def receive_draft(self, until: float | None = None) -> tuple[P.DraftReply, tuple] | None:
         """The second half of draft(): the reply to the request sent last. With `until` (monotonic

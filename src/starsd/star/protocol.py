@@ -254,6 +254,16 @@ def specs(*tensors: torch.Tensor) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(_NAMES[t.dtype], tuple(t.shape)) for t in tensors)
 
 
+def draft_request(tag: int, step: int, tokens: torch.Tensor, budget: int, draft: DraftConfig | None = None,
+                  sampling: SamplingConfig | None = None,
+                  extra: tuple[torch.Tensor, ...] = ()) -> tuple[DraftRequest, tuple[torch.Tensor, ...]]:
+    """A DraftRequest and its tensors (tokens int32 [m], then `extra`: an EAGLE head's features),
+    for `encode`: a reset (a new stream, `tokens` its whole sequence) when it carries settings. The
+    one builder of the client, the soak and the fuzzer."""
+    tensors = (tokens, *extra)
+    return DraftRequest(tag, step, draft is not None, draft, sampling, budget, specs(*tensors)), tensors
+
+
 def _buffer(t: torch.Tensor):
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
