@@ -9,10 +9,10 @@ import tiny
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.emulate.delay_proxy import DelayProxy
 from starsd.models.loading import logits_width, vocab_fingerprint
-from starsd.spec.drafting import LocalDrafting
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative, speculative_steps, target_only
 from starsd.spec.depth import DepthPolicy
+from starsd.spec.drafting import LocalDrafting
 from starsd.star.client import DraftClient, query_stats
 from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.launch import start_server
@@ -119,6 +119,49 @@ def test_killed_draft_server_targets_go_on_alone_then_reconnect(rig):
     gen2 = speculative(rig.target, drafter, prompt2, 60, DRAFT, GREEDY)
     assert gen2.token_ids == target_only(rig.target, prompt2, 60, GREEDY).token_ids
     assert not drafter.down and gen2.depths[0] > 0 and all(d > 0 for d in gen2.depths[:-1])
+
+
+def test_a_target_given_two_servers_moves_its_session_when_its_server_dies(rig):
+    """Two draft servers; the target's is killed just before its 6th draft. The session moves to
+    the other at once (a hello there, then a reset with the whole accepted prefix): the target
+    drafts again within 2 s of the kill, and its output is target-only's, nothing lost or repeated."""
+    other = start_server(rig.pair_cfg, ServerConfig())
+    client = DraftClient(f"{rig.stars[0].address},{other.address}", rig.client.fingerprint, "t2")
+    try:
+        client.hello()
+        drafter = RemoteDrafter(client)
+        killed_at = []
+        killer = KillAt(drafter, 6, lambda: (rig.kill(), killed_at.append(time.time())))
+        prompt = [5, 17, 33, 2]
+        gen = speculative(rig.target, killer, prompt, 120, DRAFT, GREEDY)
+        assert gen.token_ids == target_only(rig.target, prompt, 120, GREEDY).token_ids
+        assert drafter.moves == 1 and client.address == other.address and not drafter.down
+        again = next(end for (end, _), d in zip(gen.trace[6:], gen.depths[6:]) if d)
+        assert again - killed_at[0] < 2.0, f"drafting again {again - killed_at[0]:.1f} s after the kill"
+        assert query_stats(other.address)["requests"] > 0
+    finally:
+        client.close()
+        other.close()
+
+
+def test_a_hello_refused_for_room_goes_to_the_next_server(rig):
+    """The first server has room for no session: a target given two opens its session at the
+    second, and drafts there from its first steps."""
+    full = start_server(rig.pair_cfg, ServerConfig(max_sessions=1))
+    taken = DraftClient(full.address, rig.client.fingerprint, "taken")  # its one session
+    taken.hello()
+    client = DraftClient(f"{full.address},{rig.stars[0].address}", rig.client.fingerprint, "t2")
+    try:
+        assert not client.try_hello()
+        drafter = RemoteDrafter(client)
+        prompt = [5, 17, 33, 2]
+        gen = speculative(rig.target, drafter, prompt, 40, DRAFT, GREEDY)
+        assert gen.token_ids == target_only(rig.target, prompt, 40, GREEDY).token_ids
+        assert client.address == rig.stars[0].address and drafter.moves == 1 and any(gen.depths[:4])
+    finally:
+        client.close()
+        taken.close()
+        full.close()
 
 
 @pytest.mark.parametrize("rig", [150], indirect=True)

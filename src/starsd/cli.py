@@ -149,7 +149,8 @@ def cmd_draft_server(args) -> int:
 
 
 def args_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connect", required=True, help="the draft server's address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--connect", required=True, help="the draft server's address, e.g. tcp://127.0.0.1:5555; "
+                   "several, comma-separated: the session moves to the next when its server dies or has no room")
     p.add_argument("--prompt", default=None, help="one prompt (instead of a prompt set)")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
@@ -185,7 +186,8 @@ def cmd_target(args) -> int:
 
 def args_target_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", required=True, help="ZeroMQ address for generation requests, e.g. tcp://127.0.0.1:6000")
-    p.add_argument("--connect", default="", help="the draft server's address (empty: decode alone, no speculation)")
+    p.add_argument("--connect", default="", help="the draft server's address (empty: decode alone, no speculation); "
+                   "several, comma-separated: the session moves to the next when its server dies or has no room")
     p.add_argument("--name", default="target", help="this target's name in the draft server's sessions and logs")
     p.add_argument("--served-model-name", default="", help="the model's name for clients (default: --target)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the draft server's reply")

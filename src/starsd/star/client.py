@@ -70,11 +70,16 @@ class DraftClient:
     After the handshake a Heartbeat pings the server every heartbeat_s on a socket of its own; the
     server's IO thread answers at once, even while it drafts. A request whose server has not
     answered a ping for dead_after_s fails as `unreachable` within about that long, instead of
-    waiting out timeout_s (which is for a server that is alive but slow)."""
+    waiting out timeout_s (which is for a server that is alive but slow).
+
+    `address` may name several draft servers, comma-separated: the client talks to one at a time,
+    the first to begin with, and `move()` makes the next one its own (star/remote_drafter.py moves a
+    stream's session there when its server dies or has no room for it)."""
 
     def __init__(self, address: str, fingerprint: str, name: str = "target", timeout_s: float = 60.0,
                  heartbeat_s: float = 0.25, dead_after_s: float = 1.0, keys: ClientKeys = ClientKeys()):
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.address = self.addresses[0]  # the server this client talks to now
         self.keys = keys  # for a server that requires authentication (star/security.py)
         self.fingerprint = fingerprint
         self.name = name
@@ -147,6 +152,24 @@ class DraftClient:
         (a target that decodes alone for a while sends none)."""
         beat = self._heartbeat
         return bool(self.tag) and beat is not None and beat.tag == self.tag and beat.session_gone
+
+    def move(self) -> str:
+        """Make the next of several servers this client's (round robin): a Bye frees the session on
+        the one it leaves (if it still listens), its heartbeat stops, and the next reopen() says hello
+        at the next. Returns its address."""
+        if self._heartbeat:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self.tag:
+            try:
+                self._send(P.Bye(self.tag))
+            except zmq.ZMQError:
+                pass
+        self.sock.close(linger=100)
+        self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+        self.sock = self._socket()
+        self.tag = 0
+        return self.address
 
     def reopen(self) -> None:
         """A fresh socket, and a Hello on it for a new session (the old socket's queued messages are

@@ -115,7 +115,13 @@ class RemoteDrafter:
 
     A server that is full (`kv_full`: its draft KV budget is taken) gives empty drafts for the
     backoff's first wait, then the stream asks again with a reset; a stream past the server's
-    context limit (`context_full`) decodes alone to its end."""
+    context limit (`context_full`) decodes alone to its end.
+
+    Given several servers (DraftClient's `address`, comma-separated), a session that its server
+    loses (silent, broken) or cannot hold (`kv_full`, or a hello refused) moves to the next server
+    at once: a new hello there, and a reset with the whole accepted prefix, so no token is lost. A
+    hello that no Welcome answers within a few heartbeats' silence moves on too; only after every
+    server was tried in a row does the backoff apply."""
 
     device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
     BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
@@ -124,15 +130,10 @@ class RemoteDrafter:
         """`cohosted`: whether the server computes on this host's cores (None: whether its address is
         on this host); False for a target that stands for one on a host of its own (a replay target)."""
         self.client = client
-        # A draft may be asked without waiting (deadline 0) and picked up at a later step, unless the
-        # server drafts on the cores this target verifies on: a draft asked ahead would then be
-        # computed during the target's own pass, each slowing the other (on 2 cores, a target and a
-        # server at 2 threads each), and the two take turns instead, as a co-located pair does.
-        self.asynchronous = not shares_cores(client.address, torch.get_num_threads())
-        # A server on this host drafts on the cores its targets verify on, whatever the threads: what
-        # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
-        # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
-        self.cohosted = server_on_this_host(client.address) if cohosted is None else cohosted
+        self._cohosted = cohosted
+        self._place()
+        self.moves = 0  # sessions moved to another of several servers
+        self._tried = 1  # servers tried in a row without a session (a full round: the backoff applies)
         self.timing = Timing()
         self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
         # drafts are empty until a new session opens
@@ -147,6 +148,33 @@ class RemoteDrafter:
         # came after the target had gone on (a draft asked ahead needs to be this much deeper)
         self.server_ms = 0.0  # the draft server's time on a request (queue + draft), as its replies say
         # (what a draft asked ahead comes after, at the least)
+
+    def _place(self) -> None:
+        """What the server this client talks to now means for its drafts."""
+        # A draft may be asked without waiting (deadline 0) and picked up at a later step, unless the
+        # server drafts on the cores this target verifies on: a draft asked ahead would then be
+        # computed during the target's own pass, each slowing the other (on 2 cores, a target and a
+        # server at 2 threads each), and the two take turns instead, as a co-located pair does.
+        self.asynchronous = not shares_cores(self.client.address, torch.get_num_threads())
+        # A server on this host drafts on the cores its targets verify on, whatever the threads: what
+        # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
+        # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
+        self.cohosted = server_on_this_host(self.client.address) if self._cohosted is None else self._cohosted
+
+    def _move(self, why: str) -> None:
+        """To the next of several servers, at once (a backoff only after a whole round of them)."""
+        left = self.client.address
+        self.client.move()
+        self._place()
+        self.moves += 1
+        self._hello_at = None
+        self._tried += 1
+        wrapped = self._tried > len(self.client.addresses)
+        if wrapped:
+            self._tried = 1
+            self._backoff_s = min(2 * self._backoff_s, self.BACKOFF_S[1])
+        self._retry_at = time.monotonic() + (self._backoff_s if wrapped else 0.0)
+        log.warning("%s: %s at %s; the session moves to %s", self.client.name, why, left, self.client.address)
 
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> RemoteSequence:
@@ -210,7 +238,9 @@ class RemoteDrafter:
             except DraftServerError as e:
                 if e.code in ("unreachable", "timeout", "bad_reply", "unknown_session"):
                     self._lost(seq, e)
-                if e.code in ("kv_full", "context_full"):
+                if e.code == "kv_full" and len(self.client.addresses) > 1:
+                    self._lost(seq, e)  # another server may have room: the session moves there
+                elif e.code in ("kv_full", "context_full"):
                     seq.sent = 0  # refused with the server's state of it gone: the next request is a reset
                     seq.alone_until = time.monotonic() + (self.BACKOFF_S[0] if e.code == "kv_full" else math.inf)
                 if e.code == "unknown_session" and not attempt and self._back(seq):
@@ -259,6 +289,9 @@ class RemoteDrafter:
         seq.sent = 0  # whatever session comes next starts from the whole accepted prefix
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = time.monotonic() + (0.0 if why.code == "unknown_session" else self._backoff_s)
+        if len(self.client.addresses) > 1 and why.code != "unknown_session":  # a server that answers keeps it
+            self._tried = 1
+            self._move(f"session lost ({why.code})")
 
     def _back(self, seq: RemoteSequence, wait: bool = True) -> bool:
         """While down: once the server answers pings again and the backoff has passed, send a Hello on
@@ -275,24 +308,31 @@ class RemoteDrafter:
         # a server at ease answers within dead_after_s of the hello: with `wait`, wait out what is left
         # of that, to draft this very step
         wait_s = max(0.0, self.client.dead_after_s - (time.monotonic() - self._hello_at)) if wait else 0.0
+        several = len(self.client.addresses) > 1
+        patience_s = 4 * self.client.dead_after_s if several else self.client.timeout_s  # another may answer
         try:
             welcome = self.client.receive_welcome(wait_s=wait_s)
-            given_up = welcome is None and time.monotonic() - self._hello_at > self.client.timeout_s
+            given_up = welcome is None and time.monotonic() - self._hello_at > patience_s
+            why = "no Welcome"
         except DraftServerError as e:  # refused (full) or unreachable
             log.info("%s: no new draft session yet (%s)", self.client.name, e)
             welcome = None
             given_up = True
+            why = f"hello refused ({e.code})"
         if welcome is None:
-            if given_up:  # try again after the backoff
+            if given_up and several:
+                self._move(why)
+            elif given_up:  # try again after the backoff
                 log.warning("%s: no Welcome %.0f s after hello; trying again in %.1f s", self.client.name,
                             time.monotonic() - self._hello_at, 2 * self._backoff_s)
                 self._hello_at = None
                 self._backoff_s = min(2 * self._backoff_s, self.BACKOFF_S[1])
                 self._retry_at = time.monotonic() + self._backoff_s
             return False
-        log.info("%s: new draft session %x, %.1f s after the last was lost", self.client.name, welcome.tag,
-                 time.monotonic() - self._down_at)
+        log.info("%s: new draft session %x at %s, %.1f s after the last was lost", self.client.name, welcome.tag,
+                 self.client.address, time.monotonic() - self._down_at)
         self._hello_at = None
+        self._tried = 1
         self.down = False
         seq.sent = 0
         seq.pending = 0
