@@ -264,6 +264,18 @@ def test_a_draft_asked_ahead_of_a_server_on_this_host_costs_its_compute():
     assert far.choose(8) == 0 and far.ahead(8) > 0
 
 
+def test_a_cohosted_server_is_asked_no_first_draft_while_drafting_does_not_pay():
+    """A prompt's first draft has the server ingest the whole prompt: on this host's cores, for a
+    stream whose waited drafts do not pay (150 ms a level to wait for), none is asked, though the
+    draft's own compute (5 ms a level) would pay asked ahead; of a server elsewhere it is asked."""
+    policy = DepthPolicy(8, explore=16, cohosted=True)
+    run(policy, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3, share_per_level=5)
+    policy.prefill(500.0)
+    assert policy.ahead(8) > 0 and policy.first(8) == 0
+    policy.cohosted = False
+    assert policy.first(8) > 0
+
+
 def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
     """This CPU's verify costs (test above) and a draft whose first token is right 9 times in 10:
     even with no wait, one drafted token gives 1.9 tokens per 1214 ms against 1 per 619 alone, and

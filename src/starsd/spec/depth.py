@@ -277,7 +277,13 @@ class DepthPolicy:
         """The depth to ask of a remote drafter before a prompt's prefill: a draft asked ahead, with
         the prefill's time (the last prompt's) to come before the first step. None where the server
         would answer too late even so (but now and then a probe, as `ahead` sends): a saturated
-        server would otherwise spend its time ingesting every new prompt for drafts nobody takes."""
+        server would otherwise spend its time ingesting every new prompt for drafts nobody takes.
+        None either from a co-hosted server while drafting does not pay by the stream's means: its
+        ingest of the prompt is compute taken from the targets' cores (a 130-token prompt on the
+        0.5B draft: about a second of a core here, more than a 64-token answer's drafts), for a
+        draft the stream would not verify."""
+        if self.cohosted and not max(range(max(0, min(limit, self.max_depth)) + 1), key=self.rate):
+            return 0
         head = self.prefill_ms / max(self.verify_ms(1), 1e-6)  # tokens a step decoding alone commits meanwhile
         return self.ahead(limit, behind - head, server_ms - self.prefill_ms)
 
