@@ -104,9 +104,9 @@ def target_only(target, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
     return collect(target_only_steps(target, prompt_ids, max_new_tokens, sampling, eos_ids), deadline)
 
 
-def speculative(target, drafter: DraftSource, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
-                sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(), deadline: float = math.inf,
-                policy: DepthPolicy | None = None) -> Generation:
+def speculative(target, drafter: DraftSource, prompt_ids: list[int], max_new_tokens: int,
+                draft_cfg: DraftConfig, sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
+                deadline: float = math.inf, policy: DepthPolicy | None = None) -> Generation:
     """The whole generation of speculative_steps, or its steps up to the first ending past `deadline`."""
     return collect(speculative_steps(target, drafter, prompt_ids, max_new_tokens, draft_cfg, sampling, eos_ids,
                                      policy), deadline)
@@ -129,8 +129,8 @@ def target_only_steps(target, prompt_ids: list[int], max_new_tokens: int, sampli
             target.commit(seq, Verdict([], emitted))
 
 
-def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_new_tokens: int, draft_cfg: DraftConfig,
-                      sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
+def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_new_tokens: int,
+                      draft_cfg: DraftConfig, sampling: SamplingConfig, eos_ids: frozenset[int] = frozenset(),
                       policy: DepthPolicy | None = None) -> Iterator[Step]:
     """Draft -> verify -> accept until the budget or an EOS, one Step per target pass; a consumer
     that stops iterating ends the stream. With draft_cfg.adaptive a DepthPolicy picks each step's

@@ -157,15 +157,8 @@ class DraftClient:
         """Make the next of several servers this client's (round robin): a Bye frees the session on
         the one it leaves (if it still listens), its heartbeat stops, and the next reopen() says hello
         at the next. Returns its address."""
-        if self._heartbeat:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self.tag:
-            try:
-                self._send(P.Bye(self.tag))
-            except zmq.ZMQError:
-                pass
-        self.sock.close(linger=100)
+        self.close()
+        self._heartbeat = None
         self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
         self.sock = self._socket()
         self.tag = 0
