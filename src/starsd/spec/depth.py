@@ -241,9 +241,14 @@ class DepthPolicy:
             return self.here(d)
         return (1.0 + self.acceptance.expected(d)) / max(self.share_ms(d) + self.verify_ms(d + 1), 1e-6)
 
+    def deepest(self, limit: int, value) -> int:
+        """The depth, at most `limit` (and max_depth) deep, 0 included, with the most tokens per
+        millisecond by `value` (rate, here or asked_ahead)."""
+        return max(range(max(0, min(limit, self.max_depth)) + 1), key=value)
+
     def worth(self, limit: int) -> int:
         """How deep to verify a draft already here, at most `limit` deep (0: decode alone after all)."""
-        return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.here)
+        return self.deepest(limit, self.here)
 
     def ahead(self, limit: int, behind: float = 1.0, server_ms: float = 0.0) -> int:
         """The depth to ask of a remote drafter, without waiting, on a step that decodes alone: the
@@ -255,15 +260,12 @@ class DepthPolicy:
         asking only loads a saturated server with drafts nobody takes. Such steps ask only now and
         then (`explore` steps apart, twice as far after each such ask, up to 8 x explore), so that a
         server that catches up is noticed."""
-        def pays(limit: int) -> int:
-            return max(range(max(0, min(limit, self.max_depth)) + 1), key=self.asked_ahead)
-
-        best = pays(limit)
+        best = self.deepest(limit, self.asked_ahead)
         if not best:
             return 0
         cap = min(limit, self.max_depth)
         behind = max(1, math.ceil(behind))
-        if not pays(cap - max(behind, math.ceil(server_ms / max(self.verify_ms(1), 1e-6)))):
+        if not self.deepest(cap - max(behind, math.ceil(server_ms / max(self.verify_ms(1), 1e-6))), self.asked_ahead):
             self.late_asks += 1
             if self.late_asks < self.explore << min(self.late_probes, 3):
                 return 0
@@ -282,7 +284,7 @@ class DepthPolicy:
         ingest of the prompt is compute taken from the targets' cores (a 130-token prompt on the
         0.5B draft: about a second of a core here, more than a 64-token answer's drafts), for a
         draft the stream would not verify."""
-        if self.cohosted and not max(range(max(0, min(limit, self.max_depth)) + 1), key=self.rate):
+        if self.cohosted and not self.deepest(limit, self.rate):
             return 0
         head = self.prefill_ms / max(self.verify_ms(1), 1e-6)  # tokens a step decoding alone commits meanwhile
         return self.ahead(limit, behind - head, server_ms - self.prefill_ms)

@@ -92,7 +92,7 @@ class DraftClient:
         self.tag = 0
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
-        self.level_ms = 0.0  # the server's recent time per drafted level of a stream (its Welcome; 0: unknown)
+        self._welcome_level_ms = 0.0  # the server's time per drafted level, as its Welcome said (0: unknown)
         self._hello_at = time.monotonic()  # when the last Hello went out
 
     def _socket(self) -> zmq.Socket:
@@ -117,7 +117,7 @@ class DraftClient:
         welcome = got[0]
         self.tag = welcome.tag
         self.taps = None if welcome.taps is None else tuple(welcome.taps)
-        self.level_ms = welcome.level_ms
+        self._welcome_level_ms = welcome.level_ms
         if self.heartbeat_s > 0:
             if self._heartbeat:
                 self._heartbeat.stop()
@@ -141,6 +141,13 @@ class DraftClient:
                 raise
             log.warning("no draft session yet (%s): decoding alone until the draft server admits one", e)
             return False
+
+    @property
+    def level_ms(self) -> float:
+        """The server's recent time per drafted level of a stream: as the heartbeat's last Pong said,
+        else as the Welcome did (0: unknown)."""
+        beat = self._heartbeat
+        return beat.level_ms if beat is not None and beat.level_ms > 0 else self._welcome_level_ms
 
     def reachable(self) -> bool:
         """Whether the server answered a ping within dead_after_s (True without a heartbeat)."""

@@ -190,10 +190,8 @@ class RemoteDrafter:
 
     @property
     def level_ms(self) -> float:
-        """The server's recent time per drafted level of a stream, as its heartbeat's last Pong said,
-        else its Welcome (0: unknown)."""
-        beat = self.client._heartbeat
-        return beat.level_ms if beat is not None and beat.level_ms > 0 else self.client.level_ms
+        """The server's recent time per drafted level of a stream (DraftClient.level_ms; 0: unknown)."""
+        return self.client.level_ms
 
     @property
     def taps(self) -> tuple[int, ...] | None:

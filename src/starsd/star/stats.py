@@ -7,6 +7,7 @@ it can be compared with the targets' own clocks (another process, the same machi
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 import time
 
@@ -68,8 +69,7 @@ class ServerStats:
         """The median of recent step batches' time per drafted level per stream (0: none yet): what a
         stream's draft costs the server, a level at a time, whatever the batch (a new stream's prior)."""
         with self.lock:
-            ordered = sorted(self.levels)
-        return ordered[len(ordered) // 2] if ordered else 0.0
+            return statistics.median_high(self.levels) if self.levels else 0.0
 
     def recent_busy(self, seconds: float) -> float:
         """Share of the last `seconds` spent drafting."""
