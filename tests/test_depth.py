@@ -5,7 +5,7 @@ import random
 import pytest
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.spec.decode import speculative, target_only
+from starsd.spec.decode import measure_verify, speculative, target_only
 from starsd.spec.depth import Acceptance, Costs, DepthPolicy
 
 
@@ -190,6 +190,55 @@ def test_one_policy_carries_over_a_streams_generations(tiny_target, tiny_drafter
         assert g.token_ids == target_only(tiny_target, p, 24, SamplingConfig()).token_ids
     assert policy.steps == sum(g.num_steps for g in gens)
     assert sum(policy.acceptance.tests) > 0 and policy.verify_ms.samples
+
+
+def test_a_target_measures_its_verify_costs_before_its_first_stream(tiny_target, tiny_drafters):
+    """What a pass of each width costs, measured on a throwaway stream, three times each (a width's
+    median then counts for good); the streams after it decode as they would have."""
+    policy = DepthPolicy(10)
+    costs = measure_verify(tiny_target, policy)
+    assert list(costs) == [1, 2, 3, 5, 8, 11] and all(ms > 0 for ms in costs.values())
+    assert all(policy.verify_ms.measured(w) == 3 for w in costs) and policy.steps == 0
+    cfg = DraftConfig(depth=10)
+    gen = speculative(tiny_target, tiny_drafters["good"], [5, 9, 2, 7, 1], 24, cfg, SamplingConfig(), policy=policy)
+    assert gen.token_ids == target_only(tiny_target, [5, 9, 2, 7, 1], 24, SamplingConfig()).token_ids
+
+
+def one_core_table() -> Costs:
+    """A llama.cpp target on one core of this CPU (119 ms for 2 tokens, 188 for 4, 51 for one)."""
+    table = Costs(0.0)
+    for w, ms in {1: 51, 2: 119, 3: 160, 4: 188, 9: 388}.items():
+        for _ in range(3):
+            table.add(w, ms)
+    return table
+
+
+def test_no_look_at_a_depth_that_could_not_pay_even_with_every_token_accepted():
+    """A look at drafting, while decoding alone, tries the depth that pays best by the stream's
+    means: on one core, once the first look has measured 60 ms a level to wait for, one level. But
+    one drafted token costs a 119 ms pass against 51 for decoding alone: even accepted every time
+    and free, it loses (2/119 < 1/51), so such a look would only measure a loss, and none is made."""
+    table = one_core_table()
+    policy = DepthPolicy(8, explore=16, verify_ms=table)
+    chosen = run(policy, 256, 0, 0, draft_per_level=60, wait_ms=0, right=3, verify=table)
+    assert chosen.count(0) == 255 and not any(chosen[32:])
+    cheap = DepthPolicy(8, explore=16, verify_ms=one_core_table())  # verifying 2 tokens as dear as 1: a look
+    cheap.verify_ms.samples[2] = cheap.verify_ms.samples[1]
+    cheap.verify_ms._values = None
+    assert any(run(cheap, 256, 0, 0, draft_per_level=60, wait_ms=0, right=3, verify=cheap.verify_ms)[16:])
+
+
+def test_no_look_at_drafting_makes_a_cohosted_server_ingest_a_prompt():
+    """A co-hosted server that holds none of a stream (no draft of it was asked) would ingest the
+    whole prompt for a look, on the cores the targets verify on (about a second of a core for 130
+    tokens of the 0.5B draft here): none is made. Once it holds the stream, looks come as usual."""
+    policy = DepthPolicy(8, explore=16, cohosted=True)
+    chosen = run(policy, 128, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3,
+                 share_per_level=5)
+    assert chosen[0] == 8 and chosen[1:].count(0) == 127  # its first step drafted: it holds the stream
+    policy.holds = False  # a new stream
+    assert run(policy, 128, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3,
+               share_per_level=5).count(0) == 128
 
 
 def test_deadline_is_the_wait_speculation_can_win_back():

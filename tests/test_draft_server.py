@@ -377,38 +377,40 @@ def test_a_ping_racing_with_free_leaves_nothing_of_the_session(tiny_drafters):
 
 
 def test_a_welcome_says_what_a_drafted_level_has_cost_lately(make_server):
-    """Nothing before any step is drafted (a prompt's first draft ingests it: not what a level
-    costs); after a few steps, each new session's Welcome gives the median time per level per stream
-    of the recent step batches (a new stream's prior: spec/depth.py, server_prior)."""
+    """The server's warm-up's steps before any target comes (a prompt's first draft ingests it: not
+    what a level costs); after a few steps, each new session's Welcome gives the median time per
+    level per stream of the recent step batches (a new stream's prior: spec/depth.py, server_prior)."""
     server, address = make_server()
+    warm = len(server.stats.levels)
     a = client(address)
-    assert a.level_ms == 0.0
+    assert warm == 3 and 0 < a.level_ms == server.stats.level_ms()
     tokens = [1, 2, 3]
     a.draft(tokens, 5, *CHAIN)
-    assert client(address).level_ms == 0.0
+    assert len(server.stats.levels) == warm
     for t in range(4, 10):
         a.draft([t], 5)
     b = client(address)
-    assert 0 < b.level_ms == server.stats.level_ms() < 1e3 and len(server.stats.levels) == 6
+    assert 0 < b.level_ms == server.stats.level_ms() < 1e3 and len(server.stats.levels) == warm + 6
     a.close()
     b.close()
 
 
 def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(make_server):
-    """A target's session opens with the star (its Welcome says nothing yet); its heartbeat's Pongs
-    bring the figure once another stream's steps have been drafted."""
+    """A target's session opens with the star (its Welcome says what the warm-up's levels cost); its
+    heartbeat's Pongs bring the figure of now once another stream's steps have been drafted."""
     server, address = make_server()
     quiet = DraftClient(address, FP, "quiet", timeout_s=10, heartbeat_s=0.05)
     quiet.hello()
     drafter = RemoteDrafter(quiet)
-    assert drafter.level_ms == 0.0
+    warm = drafter.level_ms
+    assert warm == server.stats.level_ms() > 0
     busy = client(address)
     busy.draft([1, 2, 3], 5, *CHAIN)
     for t in range(4, 10):
         busy.draft([t], 5)
     deadline = time.monotonic() + 5  # the next Pong after the last step brings the figure of now
-    while drafter.level_ms != server.stats.level_ms() and time.monotonic() < deadline:
+    while quiet._heartbeat.level_ms != server.stats.level_ms() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert drafter.level_ms == server.stats.level_ms() > 0
+    assert drafter.level_ms == quiet._heartbeat.level_ms == server.stats.level_ms() > 0  # a Pong's, not the Welcome's
     quiet.close()
     busy.close()

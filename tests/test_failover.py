@@ -168,13 +168,14 @@ def test_a_hello_refused_for_room_goes_to_the_next_server(rig):
 def test_slow_draft_server_costs_a_target_almost_no_waiting(rig):
     """Every draft comes 300 ms after its request (a delaying proxy in the path); the tiny target
     decodes a token in milliseconds, so no draft can pay. The target gives each draft the deadline
-    its own decode time allows, decodes alone when it passes, and waits ever more rarely."""
+    its own decode time allows, decodes alone when it passes, and waits ever more rarely (or not at
+    all, where the server's figure of its cost per level already says no draft pays)."""
     drafter = RemoteDrafter(rig.client)
     prompt = [5, 17, 33, 2]
     policy = DepthPolicy(4)
     gen = speculative(rig.target, drafter, prompt, 100, DraftConfig(depth=4), GREEDY, policy=policy)
     assert gen.token_ids == target_only(rig.target, prompt, 100, GREEDY).token_ids
-    assert 1 <= drafter.timing.late <= 4  # paused 16, 32, 64 steps after each miss in a row
+    assert drafter.timing.late <= 4  # paused 16, 32, 64 steps after each miss in a row
     assert sum(drafter.timing.wall) < 300, "the target waited out the slow drafts"
     assert not drafter.down, "a slow server is not a dead one"
     gen2 = speculative(rig.target, drafter, [9, 8, 7], 30, DraftConfig(depth=4), GREEDY, policy=policy)

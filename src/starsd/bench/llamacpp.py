@@ -65,7 +65,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
 
     from starsd.models.loading import vocab_fingerprint
     from starsd.models.pair import Pair
-    from starsd.spec.decode import speculative, target_only
+    from starsd.spec.decode import measure_verify, speculative, target_only
     from starsd.spec.depth import DepthPolicy
     from starsd.spec.tree import DraftTree
     from starsd.star.client import DraftClient
@@ -79,6 +79,8 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
         client.hello()
         drafter = RemoteDrafter(client, cohosted=False)  # the server has a core of its own (star-1core)
     policy = DepthPolicy(C.DraftConfig().depth)  # one for the process, as a target process keeps: it carries over
+    if drafter is not None:
+        measure_verify(loaded.target, policy)  # as a target process does before its first stream
     conn.send("ready")
     while (job := conn.recv()) is not None:
         kind, ids, n = job

@@ -13,6 +13,7 @@ seconds at its next step boundary (a slow target), then print {"stalled": name, 
 from __future__ import annotations
 
 import json
+import random
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Callable
 
 from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.emulate.replay import LatencyProfile, Recording, ReplaySequence, ReplayTarget, load_features
-from starsd.spec.decode import speculative, target_only
+from starsd.spec.decode import speculative, target_only, verify_widths
 from starsd.spec.depth import DepthPolicy
 from starsd.spec.verify import Verdict
 from starsd.star.client import DraftClient
@@ -124,6 +125,10 @@ class Host:
                                 stall=lambda: self.stall_point(i, client), features=self.features(client.taps))
         drafter = RemoteDrafter(client, cohosted=False)  # a target of a host of its own: it computes nothing here
         policy = DepthPolicy(self.draft.depth)  # one per target: what it learns carries over its prompts
+        rng = random.Random(self.seed * 100_003 + i)
+        for w in verify_widths(policy.max_depth):  # what a target process measures before its first stream
+            for _ in range(3):  # (spec/decode.py, measure_verify): here, what its passes would wait
+                policy.verify_ms.add(w, self.latency.draw(w, rng))
         eos = frozenset(self.recording.eos_ids)
         while True:
             for prompt_id, p in self.share(i):

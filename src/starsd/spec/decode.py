@@ -160,6 +160,8 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)
              if ask_ahead and max_new_tokens > 0 else depth)
     dseq = drafter.start(prompt_ids, draft_cfg, sampling, first)
+    if policy is not None:
+        policy.holds = first > 0
     t_prefill = time.perf_counter()
     seq = target.start(prompt_ids) if taps is None else target.start(prompt_ids, taps)
     if policy:
@@ -187,6 +189,8 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                                    deadline_ms=deadline_ms,
                                    features=torch.cat(new_features) if new_features else None)
             draft_ms = waited_ms = (time.perf_counter() - t_draft) * 1e3
+            if policy:
+                policy.holds = True
             share = (tree.depth(), dseq.share_ms) if policy and policy.cohosted and len(tree) else None
             new_tokens = []
             new_features = []
@@ -222,6 +226,43 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                 new_features.append(seq.features[torch.tensor([0] + [p + 1 for p in verdict.path])])
             target.commit(seq, verdict)
             new_tokens += verdict.tokens
+
+
+def verify_widths(max_depth: int) -> list[int]:
+    """The widths measure_verify measures (the policy's Costs draw a line between them)."""
+    return sorted({w for w in (1, 2, 3, 5, 8, max_depth + 1) if w <= max_depth + 1})
+
+
+def measure_verify(target, policy: DepthPolicy, rounds: int = 3, context: int = 64) -> dict[int, float]:
+    """The target's cost of verifying a chain of each width the policy's drafts are verified at, measured
+    on a throwaway stream of `context` tokens before any request (a target process calls it once at
+    start), into `policy.verify_ms`; returns each width's median, in ms. A policy that knows only
+    what a one-token pass costs takes a wider one at the cost of its nearest measured width, and so
+    finds out what a draft must win back by verifying drafts that do not pay: a llama.cpp target on
+    one core here scores 11 tokens in about 300 ms against 70 for one, and a local star's first
+    requests each spent a second or more learning it. Each width `rounds` times (a width measured 3
+    times counts for good, spec/depth.py's Costs), in turns, after one untimed pass (the engine's
+    first touch of its buffers); a stream's own passes replace these as they come (the median of
+    the last few)."""
+    width = getattr(target, "width", None) or 1 << 16
+    ids = [(100 + i) % width for i in range(context + rounds * 8)]
+    widths = verify_widths(policy.max_depth)
+    top = widths[-1]
+    seq = target.start(ids[:context])
+    spare = iter(ids[context:])
+
+    def score(w: int) -> float:
+        t0 = time.perf_counter()
+        target.score(seq, DraftTree.chain(ids[:w - 1]))
+        ms = (time.perf_counter() - t0) * 1e3
+        target.commit(seq, Verdict([], [next(spare, ids[0])]))
+        return ms
+
+    score(top)
+    for _ in range(rounds):
+        for w in widths:
+            policy.verify_ms.add(w, score(w))
+    return {w: round(policy.verify_ms(w), 1) for w in widths}
 
 
 def within(tree: DraftTree, width: int | None) -> bool:

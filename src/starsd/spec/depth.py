@@ -25,7 +25,12 @@ there. Every `explore` steps the policy also looks beside its choice: at decodin
 been measured a few times, then one level shallower and one deeper in turn (or, while decoding alone,
 at the best draft, twice as rarely after each look that finds decoding alone still better, up to
 16 x explore), so that a width measured slow once, and a draft server that slows down or frees up,
-are noticed.
+are noticed. A look at drafting is made only at a depth that could pay (every drafted token accepted
+and no wait, a co-hosted server's compute aside: on one core, verifying one drafted token costs
+more than two passes of one, and no look at one level can find it paying), and never while a
+co-hosted server holds none of the stream: the look would have it ingest the whole prompt on the
+targets' cores. A target process measures its verify costs by width before its first stream
+(spec/decode.py, `measure_verify`), so that the very first choice weighs a draft against them.
 
 The same arithmetic bounds the wait: a draft d deep pays only while it arrives within
 
@@ -212,6 +217,7 @@ class DepthPolicy:
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
     prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
     cohosted: bool = False  # the draft server computes on this host's cores: a draft asked ahead is not free
+    holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec/decode.py sets it)
     share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
 
     def __post_init__(self):
@@ -275,6 +281,15 @@ class DepthPolicy:
         self.late_asks = self.late_probes = 0
         return min(best + behind, cap)
 
+    def could_pay(self, d: int) -> bool:
+        """Whether a draft d deep could beat decoding alone at all: every drafted token accepted and
+        no wait for it, only a co-hosted server's compute. A look at a depth that could not only
+        measures a loss (on one core of this CPU, a llama.cpp target scored 2 tokens in 119 ms
+        against 51 for one: no draft of one token pays there, whatever its acceptance). The wait is
+        left out: a server that was slow may have freed up, and a look is how a stream finds out."""
+        compute = self.share_ms(d) if self.cohosted else 0.0
+        return (1.0 + d) / max(compute + self.verify_ms(d + 1), 1e-6) > self.rate(0)
+
     def first(self, limit: int, behind: float = 1.0, server_ms: float = 0.0) -> int:
         """The depth to ask of a remote drafter before a prompt's prefill: a draft asked ahead, with
         the prefill's time (the last prompt's) to come before the first step. None where the server
@@ -318,8 +333,10 @@ class DepthPolicy:
             if best == 0:  # is the best draft worth asking for again? Each look that finds it is not
                 # waits twice as long for the next (up to 16 x explore): a look can cost several
                 # passes where verifying a draft is dear, and must not add up to a loss
-                self.idle_looks += 1
-                best = max(range(1, limit + 1), key=self.rate)
+                look = max(range(1, limit + 1), key=self.rate)
+                if self.could_pay(look) and (self.holds or not self.cohosted):
+                    self.idle_looks += 1
+                    best = look
             elif self.verify_ms.measured(1) < 3:  # decoding alone, to compare with: measured little yet
                 best = 0
             else:  # the costs of the widths beside: a pass slowed once must not rule a width out for good

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from starsd.config import MAX_DRAFT_NODES, ServerConfig
+from starsd.config import MAX_DRAFT_NODES, DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import DraftJob, Drafter
 from starsd.spec.tree import DraftTree
 from starsd.star import ahead
@@ -60,6 +60,7 @@ class DraftServer:
     def serve(self, on_ready=None) -> None:
         """Run until stop(): the IO thread in the background, the compute loop here. Call this from
         the main thread in production: torch's OpenMP kernels ran ~40% slower from another thread here."""
+        self._warm_up()
         self.transport.start()
         if on_ready:
             on_ready()
@@ -84,6 +85,26 @@ class DraftServer:
             self.stopping.set()
             self._outbox.close()
             self.transport.stop()
+
+    def _warm_up(self, steps: int = 4, depth: int = 4) -> None:
+        """Draft a throwaway stream before any target can come: a model's first passes cost more than
+        its later ones (its buffers, the first touch of its weights), and what a step's level costs
+        is what each Welcome tells a new stream to expect (ServerStats.level_ms), from the first
+        target on: a target that shares this host weighs a draft's compute against its own passes
+        before it asks one (spec/depth.py). A drafter that drafts from a target's features (an EAGLE
+        head) has none to draft from, and starts cold."""
+        if self.drafter.taps is not None:
+            return
+        ids = [(100 + i) % self.sessions.vocab_size for i in range(32 + steps)]
+        seq = self.drafter.start(ids[:32])
+        cfg = DraftConfig(depth=depth, min_path_prob=0.0)
+        for step in range(steps):
+            start = time.perf_counter()
+            tree = self.drafter.propose_batch([DraftJob(seq, ids[32 + step:33 + step] if step else [], cfg,
+                                                        SamplingConfig())])[0]
+            if step:  # the first ingested the prompt: not what a level costs
+                self.stats.level((time.perf_counter() - start) * 1e3, tree.depth(), 1)
+        log.info("draft server %s: %.1f ms a drafted level, warmed up", self.name, self.stats.level_ms())
 
     def start(self) -> threading.Thread:
         """serve() on a thread of its own (tests, embedding); returns once the socket is bound."""

@@ -19,7 +19,7 @@ import zmq
 from starsd.config import DraftConfig, ServingKeys
 from starsd.errors import Unavailable
 from starsd.models.pair import Pair
-from starsd.spec.decode import speculative_steps, target_only_steps
+from starsd.spec.decode import measure_verify, speculative_steps, target_only_steps
 from starsd.spec.depth import DepthPolicy
 from starsd.star import protocol as P
 from starsd.star import security
@@ -66,6 +66,8 @@ class TargetServer:
             self.sock.bind(self.bind)
         except zmq.ZMQError as e:
             raise Unavailable(f"cannot bind {self.bind}: {e}") from None
+        if self.drafter and self.draft.adaptive:
+            log.info("%s: verify costs by width (ms): %s", self.name, measure_verify(self.pair.target, self.policy))
         if on_ready:
             on_ready()
         log.info("target server %s (%s) listening on %s", self.name, self.model, self.bind)

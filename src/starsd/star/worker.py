@@ -14,7 +14,7 @@ from starsd.config import ClientKeys, DraftConfig, PairConfig, SamplingConfig
 from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
-from starsd.spec.decode import speculative, target_only
+from starsd.spec.decode import measure_verify, speculative, target_only
 from starsd.spec.depth import DepthPolicy
 from starsd.star.client import DraftClient
 from starsd.star.remote_drafter import RemoteDrafter, Timing
@@ -32,13 +32,15 @@ def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_token
     client = DraftClient(connect, vocab_fingerprint(pair.tokenizer, pair.target.width), name, timeout_s,
                          keys=keys)
     try:
+        policy = DepthPolicy(draft.depth)  # one for the whole run: what it learns carries over the prompts
         if not no_spec:
             client.try_hello()
+            if draft.adaptive:
+                measure_verify(pair.target, policy)
         if wait_go:
             print(json.dumps({"ready": name}), flush=True)
             sys.stdin.readline()
         drafter = RemoteDrafter(client)
-        policy = DepthPolicy(draft.depth)  # one for the whole run: what it learns carries over the prompts
         for prompt in prompts:
             ids = prompt.encode(pair.tokenizer)
             drafter.timing = Timing()
