@@ -144,12 +144,15 @@ def _print_summary(console: Console, rows: list[dict], system: dict) -> None:
                   "target's own: the same text with and without drafts (bit-exact for a float32 transformers "
                   "target; llama.cpp and bfloat16 round a pass of several tokens differently from one token at "
                   "a time, so a near-tie may go the other way).")
-    if system["tokens_per_s"] < system["target_only_tokens_per_s"]:
-        cores = len(os.sched_getaffinity(0))
-        console.print(f"[bold]Slower than decoding alone here.[/bold] The draft server and the targets share this "
-                      f"host's {cores} cores, so each draft's compute is taken from a target's, and a CPU target "
-                      "verifies several tokens at several times the cost of one (docs/benchmarks.md#a-llamacpp-target). "
-                      "The star pays where the draft server has a host of its own.")
+    cores = len(os.sched_getaffinity(0))
+    why = (f"The draft server and the targets share this host's {cores} cores, so each draft's compute is taken "
+           "from a target's, and a CPU target verifies several tokens at several times the cost of one "
+           "(docs/benchmarks.md#a-llamacpp-target). The star pays where the draft server has a host of its own.")
+    if not any(r["drafts"] for r in rows):
+        console.print("[bold]The targets decoded alone here.[/bold] Each measured at start what it costs to verify "
+                      f"a draft, and by those figures no draft pays on this host. {why}")
+    elif system["tokens_per_s"] < system["target_only_tokens_per_s"]:
+        console.print(f"[bold]Slower than decoding alone here.[/bold] {why}")
     for r in rows:
         console.print(f"\n[bold]{r['request']}[/bold]:")
         console.print(r["text"], highlight=False, markup=False)
