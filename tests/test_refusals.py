@@ -57,6 +57,7 @@ def test_bad_flags_and_values():
     refused(starsd("generate", "--prompt", "x", "--threads", "-1"), "threads must be >= 0")
     refused(starsd("draft-server", "--max-batch", "0"), "max_batch must be >= 1")
     refused(starsd("launch", "--prompts", "poems"), "unknown prompt set 'poems'")
+    refused(starsd("serve", "--draft-servers", "0"), "--draft-servers must be 1 to 64, not 0")
     refused(starsd("model", "--from", "/nonexistent/profile.json"), "cannot read a profile")
     refused(starsd("serve", "--api-key-file", "/nonexistent/key"), "cannot read the API key file")
 

@@ -306,3 +306,44 @@ def test_sigterm_stops_the_whole_star(gateway):
     assert gateway["proc"].wait(timeout=30) == 0
     gone, alive = psutil.wait_procs(children, timeout=15)
     assert not alive
+
+
+def test_two_draft_servers_share_the_targets_and_take_over_from_each_other(dirs, local):
+    """`serve --draft-servers 2`: target i opens its session at server i, and the gateway's /metrics
+    counts both. Server 0 killed (no restart): target-0's session moves to server 1 at its next
+    step, and every answer stays target-only decoding's."""
+    port = free_port()
+    proc = spawn(["serve", "--targets", "2", "--draft-servers", "2", "--no-restart", "--port", str(port),
+                  "--target", dirs["target"], "--draft", dirs["draft"], "--dtype", "float32", "--draft-quantize",
+                  "none", "--draft-depth", "4", "--no-draft-adaptive", "--served-model-name", MODEL])
+    try:
+        ready = read_json_line(proc, "ready", 300)
+        star = {"url": f"http://127.0.0.1:{port}"}
+        first, second = ready["metrics"]["draft_servers"]
+        assert len(ready["draft_server"].split(",")) == 2
+        sessions = [scrape(star, url)["starsd:draft_server_sessions_open"] for url in (first, second)]
+        assert sessions == [1, 1] and scrape(star)["starsd:draft_server_up"] == 2
+        client = openai.OpenAI(base_url=star["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        want = reference(local, local.tokenizer.encode("x = 2", add_special_tokens=False), 12)
+
+        def both():  # two at once: one on each target
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                return list(pool.map(lambda _: client.completions.create(
+                    model=MODEL, prompt="x = 2", max_tokens=12, temperature=0), range(2)))
+
+        assert all(a.choices[0].text == want and a.model_extra["spec_decode"]["drafts"] for a in both())
+        server = next(p for p in psutil.Process(proc.pid).children() if "draft-server" in p.cmdline()
+                      and ready["draft_server"].split(",")[0] in " ".join(p.cmdline()))
+        server.kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert all(a.choices[0].text == want for a in both())
+            if scrape(star, second)["starsd:draft_server_sessions_open"] == 2:
+                break
+        assert scrape(star, second)["starsd:draft_server_sessions_open"] == 2
+        assert scrape(star)["starsd:draft_server_up"] == 1
+        answers = both()
+        assert all(a.choices[0].text == want and a.model_extra["spec_decode"]["drafts"] for a in answers)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -141,7 +141,7 @@ def cmd_draft_server(args) -> int:
         from starsd.serve.metrics import DraftServerCollector, serve_metrics
 
         serve_metrics(server.cfg.metrics_port, DraftServerCollector(
-            lambda: server.stats.snapshot(len(server.sessions), server.q_in.qsize())))
+            lambda: [server.stats.snapshot(len(server.sessions), server.q_in.qsize())]))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve(on_ready=lambda: print(json.dumps({"ready": args.bind}), flush=True))
@@ -240,12 +240,23 @@ def cmd_target_server(args) -> int:
     return 0
 
 
+DRAFT_SERVERS_HELP = ("draft servers of a local star (1 to 64): target i connects to all of them, the (i mod K)th "
+                      "first, and its session moves to the next when its server dies or has no room")
+
+
+def draft_servers(args) -> int:
+    if not 1 <= args.draft_servers <= 64:
+        raise C.SettingError(f"--draft-servers must be 1 to 64, not {args.draft_servers}")
+    return args.draft_servers
+
+
 def args_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", type=int, default=2, help="number of target processes N")
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--limit", type=int, default=4, help="prompts in all, shared round-robin among the targets")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
     p.add_argument("--port", type=int, default=0, help="draft server port (0: a free one)")
+    p.add_argument("--draft-servers", type=int, default=1, metavar="K", help=DRAFT_SERVERS_HELP)
     p.add_argument("--json-out", default=None, help="write the results as JSON here (and a PNG beside it)")
     p.add_argument("target_extra", nargs=argparse.REMAINDER, help="after --: more flags for every target")
     C.add_flags(p, C.PairConfig)
@@ -258,7 +269,7 @@ def cmd_launch(args) -> int:
 
     return run_local_star(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args), args.targets,
                           args.prompts, args.limit, args.max_new_tokens, [a for a in args.target_extra if a != "--"],
-                          args.port, args.json_out)
+                          args.port, args.json_out, draft_servers(args))
 
 
 def args_serve(p: argparse.ArgumentParser) -> None:
@@ -267,8 +278,9 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
     p.add_argument("--target-server", action="append", default=[], metavar="ADDR",
                    help="a running target server's ZeroMQ address (repeat); then no local star is started")
-    p.add_argument("--draft-server", default="", metavar="ADDR",
-                   help="with --target-server: the running draft server's address, for /metrics")
+    p.add_argument("--draft-server", default="", metavar="ADDR[,ADDR...]",
+                   help="with --target-server: the running draft servers' addresses, for /metrics")
+    p.add_argument("--draft-servers", type=int, default=1, metavar="K", help=DRAFT_SERVERS_HELP)
     p.add_argument("--no-spec", action="store_true", help="local targets decode alone (a baseline; no draft server)")
     p.add_argument("--no-restart", action="store_true", help="a local star's draft server or target server that "
                    "exits stays down (default: started again, with backoff, at most 5 times in 10 minutes)")
@@ -303,6 +315,7 @@ def cmd_serve(args) -> int:
     from starsd.serve import launch as serve_launch
     from starsd.serve.gateway import GatewayConfig, listen, read_api_key
 
+    k = draft_servers(args)
     api_key = read_api_key(args.api_key, args.api_key_file)
     sock = listen(args.host, args.port, api_key, args.insecure)
     cfg = GatewayConfig(tuple(args.target_server), args.draft_server, args.max_queue, args.max_tokens,
@@ -313,10 +326,11 @@ def cmd_serve(args) -> int:
         return serve_launch.serve_ray(args.ray, C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
                                       C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg,
                                       sock, args.ray_draft_resources, args.ray_target_resources,
-                                      args.served_model_name)
+                                      args.served_model_name, k)
     return serve_launch.serve_local(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
                              C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg, sock,
-                             spec=not args.no_spec, model_name=args.served_model_name, restart=not args.no_restart)
+                             spec=not args.no_spec, model_name=args.served_model_name, restart=not args.no_restart,
+                             draft_servers=k)
 
 
 def args_demo(p: argparse.ArgumentParser) -> None:

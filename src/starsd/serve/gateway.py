@@ -41,7 +41,7 @@ TARGET_ERRORS = {"bad_request": 400, "context_length": 400, "bad_settings": 400,
 @dataclass(frozen=True)
 class GatewayConfig:
     targets: tuple[str, ...]  # target servers' ZeroMQ addresses
-    draft_server: str = ""  # its address, for /metrics and /health (empty: not shown)
+    draft_server: str = ""  # the draft servers' addresses, comma-separated, for /metrics (empty: not shown)
     max_queue: int = 32  # requests waiting for a free target at most; beyond: 503
     default_max_tokens: int = 256  # when a request names none
     step_timeout_s: float = 300.0  # longest wait for a target's next step (a long prefill on a CPU)
@@ -51,9 +51,10 @@ class GatewayConfig:
     draft_keys: ClientKeys = ClientKeys()  # for a draft server that does (its counters, on /metrics)
 
 
-def draft_server_snapshot(address: str, keys: ClientKeys = ClientKeys()):
-    """The draft server's counters, or None if it does not answer within 2 s."""
-    return query_stats(address, "gateway-metrics", timeout_s=2.0, keys=keys) if address else None
+def draft_server_snapshots(addresses: str, keys: ClientKeys = ClientKeys()) -> list[dict | None]:
+    """Each draft server's counters (`addresses`: comma-separated), None for one that does not
+    answer within 2 s."""
+    return [query_stats(a, "gateway-metrics", timeout_s=2.0, keys=keys) for a in addresses.split(",") if a]
 
 
 class Gateway:
@@ -66,7 +67,7 @@ class Gateway:
         self.cfg = cfg
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, max_position=64)
-        self.registry.register(DraftServerCollector(lambda: draft_server_snapshot(cfg.draft_server, cfg.draft_keys)))
+        self.registry.register(DraftServerCollector(lambda: draft_server_snapshots(cfg.draft_server, cfg.draft_keys)))
         if restarts:
             self.registry.register(RestartsCollector(restarts))
         self.pool: Pool | None = None  # made inside the event loop (lifespan)

@@ -28,7 +28,7 @@ def start_targets(star: Star, pair: PairConfig, draft: DraftConfig, n: int, spec
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
     for i, address in enumerate(addresses):
         star.targets.append(spawn(target_server_command(pair, draft, f"target-{i}", address,
-                                                        star.address if spec else "", model_name,
+                                                        star.connect(i) if spec else "", model_name,
                                                         metrics_ports[i] if metrics_ports else 0)))
     for proc in star.targets:
         read_json_line(proc, "ready", 600)
@@ -36,22 +36,26 @@ def start_targets(star: Star, pair: PairConfig, draft: DraftConfig, n: int, spec
 
 
 def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int, cfg: gateway.GatewayConfig,
-                sock: socket.socket, spec: bool = True, model_name: str = "", restart: bool = True) -> int:
-    """`restart`: a draft server or target server that exits is started again (star/supervise.py)."""
+                sock: socket.socket, spec: bool = True, model_name: str = "", restart: bool = True,
+                draft_servers: int = 1) -> int:
+    """`restart`: a draft server or target server that exits is started again (star/supervise.py).
+    `draft_servers`: K of them; target i connects to all, the (i mod K)th first (Star.connect)."""
     check_models(pair)
-    pair = share_cores(pair, n + 1 if spec else n)
+    k = draft_servers if spec else 0
+    pair = share_cores(pair, n + k)
     server = dataclasses.replace(server, metrics_port=server.metrics_port or free_port())
-    star = start_server(pair, server) if spec else Star(None, "")
+    star = start_server(pair, server, count=k) if spec else Star([], [])
     try:
         if spec:
-            print(f"draft server up at {star.address}", file=sys.stderr, flush=True)
+            print(f"draft server{'s' if k > 1 else ''} up at {star.address}", file=sys.stderr, flush=True)
         print(f"loading {n} target servers", file=sys.stderr, flush=True)
         ports = [free_port() for _ in range(n)]
         targets = start_targets(star, pair, draft, n, spec, model_name, ports)
-        cfg = dataclasses.replace(cfg, targets=tuple(targets), draft_server=star.address if spec else "")
+        cfg = dataclasses.replace(cfg, targets=tuple(targets), draft_server=star.address)
         metrics = {"targets": [f"http://127.0.0.1:{p}/metrics" for p in ports]}
         if spec:
-            metrics["draft_server"] = f"http://127.0.0.1:{server.metrics_port}/metrics"
+            metrics["draft_server"] = f"http://127.0.0.1:{star.metrics_ports[0]}/metrics"
+            metrics["draft_servers"] = [f"http://127.0.0.1:{p}/metrics" for p in star.metrics_ports]
         restarts = None
         if restart:
             star.supervise(Supervisor())
@@ -63,12 +67,13 @@ def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: i
 
 def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
               cfg: gateway.GatewayConfig, sock: socket.socket, draft_resources: dict, target_resources: dict,
-              model_name: str = "") -> int:
+              model_name: str = "", draft_servers: int = 1) -> int:
     from starsd.star.ray_cluster import RayStar
 
-    print(f"placing a draft server and {n} target servers on the Ray cluster at {address}", file=sys.stderr,
-          flush=True)
-    star = RayStar.start(address, pair, server, draft, n, draft_resources, target_resources, model_name)
+    print(f"placing {draft_servers} draft server{'s' if draft_servers > 1 else ''} and {n} target servers on the "
+          f"Ray cluster at {address}", file=sys.stderr, flush=True)
+    star = RayStar.start(address, pair, server, draft, n, draft_resources, target_resources, model_name,
+                         draft_servers)
     try:
         cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address,
                                   keys=star.keys.gateway, draft_keys=star.keys.draft_stats)

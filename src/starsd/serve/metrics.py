@@ -9,6 +9,7 @@ figures are read from its StatsRequest answer at scrape time (DraftServerCollect
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -75,17 +76,20 @@ class GatewayMetrics:
 
 
 class DraftServerCollector:
-    """The draft server's counters as metrics, from `snapshot()` (a StatsRequest's JSON, or None
-    when the server does not answer: then only starsd:draft_server_up 0)."""
+    """The draft servers' counters as metrics, from `snapshots()` (each server's StatsRequest JSON, or
+    None where it does not answer): starsd:draft_server_up counts those that answered, and the other
+    series are over them, summed (the busy fraction: their mean). Each server's own are on its
+    --metrics-port."""
 
-    def __init__(self, snapshot: Callable[[], dict | None]):
-        self.snapshot = snapshot
+    def __init__(self, snapshots: Callable[[], list[dict | None]]):
+        self.snapshots = snapshots
 
     def collect(self):
-        stats = self.snapshot()
-        yield GaugeMetricFamily("starsd:draft_server_up", "1 if the draft server answered", value=float(bool(stats)))
-        if not stats:
+        answered = [s for s in self.snapshots() if s]
+        yield GaugeMetricFamily("starsd:draft_server_up", "draft servers that answered", value=float(len(answered)))
+        if not answered:
             return
+        stats = combined(answered)
         yield CounterMetricFamily("starsd:draft_server_busy_seconds", "seconds spent drafting (rate() of it is "
                                   "the busy fraction)", value=stats["busy_s"])
         yield GaugeMetricFamily("starsd:draft_server_busy_fraction", "share of the uptime spent drafting",
@@ -102,6 +106,20 @@ class DraftServerCollector:
         yield CounterMetricFamily("starsd:draft_server_predraft_hits", "draft requests answered from a pre-draft",
                                   value=stats["predraft"]["hits"])
         yield batch_histogram({int(k): v for k, v in stats["batch_sizes"].items()})
+
+
+def combined(snapshots: list[dict]) -> dict:
+    """Several draft servers' counters as one server's: sums, and the mean busy fraction."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    errors: collections.Counter = collections.Counter()
+    sizes: collections.Counter = collections.Counter()
+    for s in snapshots:
+        errors.update(s["errors"])
+        sizes.update({int(k): v for k, v in s["batch_sizes"].items()})
+    total = {key: sum(s.get(key, 0) for s in snapshots) for key in ("busy_s", "queue_depth", "sessions_open", "requests")}
+    return {**total, "utilization": sum(s["utilization"] for s in snapshots) / len(snapshots), "errors": dict(errors),
+            "predraft": {"hits": sum(s["predraft"]["hits"] for s in snapshots)}, "batch_sizes": dict(sizes)}
 
 
 class TargetCollector:

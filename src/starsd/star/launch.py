@@ -34,15 +34,33 @@ from starsd.star.supervise import Supervisor
 class Star:
     """Handles to a running local star; `close()` stops every process."""
 
-    server: subprocess.Popen | None  # None: targets that decode alone
-    address: str
+    servers: list[subprocess.Popen]  # the draft servers (none: targets that decode alone)
+    addresses: list[str]  # theirs, in the same order
+    metrics_ports: list[int] = field(default_factory=list)  # theirs, where they serve metrics (0: none)
     targets: list[subprocess.Popen] = field(default_factory=list)
     supervisor: Supervisor | None = None  # starts again whichever of them exits (supervise)
 
+    @property
+    def server(self) -> subprocess.Popen | None:
+        """The first draft server (None: none)."""
+        return self.servers[0] if self.servers else None
+
+    @property
+    def address(self) -> str:
+        """Every draft server's address, comma-separated, as DraftClient takes them ("": none)."""
+        return ",".join(self.addresses)
+
+    def connect(self, i: int) -> str:
+        """What target i connects to: every draft server, starting at the (i mod K)th, so that K servers
+        each open with a K-th of the targets and each target has the others to move to (its session moves
+        to the next when its server dies or has no room: star/remote_drafter.py)."""
+        k = i % max(1, len(self.addresses))
+        return ",".join(self.addresses[k:] + self.addresses[:k])
+
     def supervise(self, supervisor: Supervisor) -> None:
         """From now on every process of the star that exits is started again, until close()."""
-        if self.server is not None:
-            supervisor.watch("draft-server", "draft-server", self.server)
+        for j, proc in enumerate(self.servers):
+            supervisor.watch("draft-server" if len(self.servers) == 1 else f"draft-server-{j}", "draft-server", proc)
         for i, proc in enumerate(self.targets):
             supervisor.watch(f"target-{i}", "target-server", proc)
         self.supervisor = supervisor
@@ -51,7 +69,7 @@ class Star:
     def close(self) -> None:
         if self.supervisor:
             self.supervisor.halt()  # no process is started again from here on
-        procs = self.supervisor.procs() if self.supervisor else [p for p in (*self.targets, self.server) if p]
+        procs = self.supervisor.procs() if self.supervisor else [*self.targets, *self.servers]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -109,24 +127,33 @@ def share_cores(pair: PairConfig, processes: int) -> PairConfig:
 
 
 def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,
-                 prefix: list[str] = (), stderr=None) -> Star:
-    """A draft-server process on tcp://host:port (port 0: a free one), once it is ready; its log
-    goes to `stderr` (a file; default: this process's stderr)."""
-    address = f"tcp://{host}:{port or free_port()}"
-    proc = spawn(server_command(pair, dataclasses.replace(server, bind=address)), prefix, stderr=stderr)
+                 prefix: list[str] = (), stderr=None, count: int = 1) -> Star:
+    """`count` draft-server processes, the first on tcp://host:port (port 0: a free one), the others on
+    free ports, once all are ready; their logs go to `stderr` (a file; default: this process's
+    stderr). With a metrics port, the first serves its metrics there and the others on free ports."""
+    star = Star([], [])
     try:
-        read_json_line(proc, "ready", 300)
+        for j in range(count):
+            address = f"tcp://{host}:{port if port and not j else free_port()}"
+            metrics = server.metrics_port if server.metrics_port and not j else free_port() if server.metrics_port else 0
+            cfg = dataclasses.replace(server, bind=address, metrics_port=metrics)
+            star.servers.append(spawn(server_command(pair, cfg), prefix, stderr=stderr))
+            star.addresses.append(address)
+            star.metrics_ports.append(metrics)
+        for proc in star.servers:
+            read_json_line(proc, "ready", 300)
     except BaseException:
-        proc.kill()
+        for proc in star.servers:
+            proc.kill()
         raise
-    return Star(proc, address)
+    return star
 
 
 def run_targets(star: Star, n: int, target_args: list[str], num_prompts: int) -> list[dict]:
     """Start n targets on a round-robin share of the prompts, release them together, collect JSON."""
     for i in range(n):
         share = ["--offset", str(i), "--stride", str(n), "--limit", str(num_prompts)]
-        star.targets.append(spawn(["target", "--connect", star.address, "--name", f"target-{i}", "--json",
+        star.targets.append(spawn(["target", "--connect", star.connect(i), "--name", f"target-{i}", "--json",
                                    "--wait-go", *share, *target_args]))
     for t in star.targets:
         read_json_line(t, "ready", 300)
@@ -169,12 +196,12 @@ def target_command(pair: PairConfig) -> list[str]:
 
 def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: str, num_prompts: int,
                    max_new_tokens: int, target_extra: list[str] = (), port: int = 0,
-                   json_out: str | None = None) -> int:
-    """`starsd launch`: a draft server and n targets sharing num_prompts prompts; prints per-target
-    and system throughput, writes JSON and a bar plot; 130 when interrupted (Ctrl-C, SIGTERM)."""
+                   json_out: str | None = None, draft_servers: int = 1) -> int:
+    """`starsd launch`: `draft_servers` draft servers and n targets sharing num_prompts prompts; prints
+    per-target and system throughput, writes JSON and a bar plot; 130 when interrupted (Ctrl-C, SIGTERM)."""
     load_prompts(prompt_set)  # an unknown set is refused here, not in every target
     check_models(pair)
-    pair = share_cores(pair, n + 1)
+    pair = share_cores(pair, n + draft_servers)
     target_args = [*target_command(pair)[1:], "--prompts", prompt_set, "--max-new-tokens", str(max_new_tokens),
                    *target_extra]
     star = None
@@ -185,16 +212,21 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)  # also when started with SIGINT ignored (a background job inherits that)
     try:
-        star = start_server(pair, server, port=port)
-        print(f"draft server up at {star.address}; starting {n} targets", file=sys.stderr, flush=True)
+        star = start_server(pair, server, port=port, count=draft_servers)
+        print(f"draft server{'s' if draft_servers > 1 else ''} up at {star.address}; starting {n} targets",
+              file=sys.stderr, flush=True)
         results = run_targets(star, n, target_args, num_prompts)
         summary = summarize(results, n)
-        client = DraftClient(star.address, "", "launcher", timeout_s=10)
-        stats = client.stats()
-        client.close()
-        summary["draft_server"] = {k: stats[k] for k in ("batch_sizes", "errors", "replies", "requests", "predraft")}
-        summary["draft_server"]["utilization"] = busy_fraction(stats["timeline"], results[0]["go"],
-                                                               results[0]["go"] + summary["wall_s"])
+        summary["draft_servers"] = []
+        for address in star.addresses:
+            client = DraftClient(address, "", "launcher", timeout_s=10)
+            stats = client.stats()
+            client.close()
+            figures = {k: stats[k] for k in ("batch_sizes", "errors", "replies", "requests", "predraft")}
+            figures["utilization"] = busy_fraction(stats["timeline"], results[0]["go"],
+                                                   results[0]["go"] + summary["wall_s"])
+            summary["draft_servers"].append({"address": address, **figures})
+        summary["draft_server"] = summary["draft_servers"][0]
     except KeyboardInterrupt:
         print("interrupted: stopping the star", file=sys.stderr)
         return 130
@@ -207,8 +239,10 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
         png = str(json_out).rsplit(".", 1)[0] + ".png"
         bar_plot(png, [*names, "system"],
                  [*(summary["per_target"][k]["tokens_per_s"] for k in names), summary["system_tokens_per_s"]],
-                 ylabel="tokens / s", title=f"Local star: 1 draft server, {n} targets ({pair.target_model().dtype})")
+                 ylabel="tokens / s", title=f"Local star: {draft_servers} draft server(s), {n} targets "
+                                             f"({pair.target_model().dtype})")
         settings = {"pair": dataclasses.asdict(pair), "server": dataclasses.asdict(server), "targets": n,
+                    "draft_servers": draft_servers,
                     "prompts": prompt_set, "limit": num_prompts, "max_new_tokens": max_new_tokens,
                     "target_extra": list(target_extra)}
         write_json(json_out, {"launch": settings, **summary, "results": results})
@@ -221,15 +255,16 @@ def show_star(summary: dict, n: int, dtype: str, json_out: str | None, png: str 
     rows = [[name, t["tokens"], f"{t['tokens_per_s']:.2f}", f"{t['mean_accepted']:.2f}"]
             for name, t in summary["per_target"].items()]
     rows += [None, ["system", summary["tokens"], f"{summary['system_tokens_per_s']:.2f}", None]]
-    server = summary["draft_server"]
-    ahead = server["predraft"]
-    sizes = ", ".join(f"{b}: {count}" for b, count in server["batch_sizes"].items())
-    facts = {
-        "system": f"{summary['tokens']} tokens in {summary['wall_s']:.1f} s = {summary['system_tokens_per_s']:.2f} "
-                  f"tok/s over {n} targets",
-        "draft server": f"utilisation {server['utilization']:.0%}; batches by size {{{sizes}}}",
-        "pre-drafting": f"{ahead['hits']} of {server['requests']} draft requests answered from a draft made in idle "
-                        f"time ({ahead['outcomes']} outcomes drafted, {ahead['yields']} cut short for a request)",
-    }
-    print_summary(f"starsd launch: 1 draft server, {n} targets ({dtype})", ["target", "tokens", "tokens/s",
+    facts = {"system": f"{summary['tokens']} tokens in {summary['wall_s']:.1f} s = "
+                       f"{summary['system_tokens_per_s']:.2f} tok/s over {n} targets"}
+    servers = summary["draft_servers"]
+    for server in servers:
+        ahead = server["predraft"]
+        sizes = ", ".join(f"{b}: {count}" for b, count in server["batch_sizes"].items())
+        name = "draft server" if len(servers) == 1 else f"draft server {server['address']}"
+        facts[name] = (f"utilisation {server['utilization']:.0%}; batches by size {{{sizes}}}; pre-drafting: "
+                       f"{ahead['hits']} of {server['requests']} draft requests answered from a draft made in idle "
+                       f"time ({ahead['outcomes']} outcomes drafted, {ahead['yields']} cut short for a request)")
+    many = f"{len(servers)} draft servers" if len(servers) > 1 else "1 draft server"
+    print_summary(f"starsd launch: {many}, {n} targets ({dtype})", ["target", "tokens", "tokens/s",
                   "accepted/step"], rows, facts, {"JSON": json_out, "plot": png})

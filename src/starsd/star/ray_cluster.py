@@ -24,7 +24,7 @@ from pathlib import Path
 
 from starsd.config import ClientKeys, DraftConfig, GatewayKeys, PairConfig, ServerConfig, ServingKeys, to_flags
 from starsd.errors import StarsdError, Unavailable
-from starsd.star.launch import server_command, target_server_command
+from starsd.star.launch import Star, server_command, target_server_command
 from starsd.star.processes import free_port, read_json_line, spawn
 from starsd.star.security import make_keys
 
@@ -124,14 +124,17 @@ def _options(resources: dict[str, float]) -> dict:
 class RayStar:
     """The actors of one star on a Ray cluster; `close()` stops their processes."""
 
-    draft_address: str
+    draft_address: str  # every draft server's, comma-separated
     target_addresses: list[str]
     actors: list
     keys: StarKeys
 
     @classmethod
     def start(cls, address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
-              draft_resources: dict[str, float], target_resources: dict[str, float], model_name: str = "") -> "RayStar":
+              draft_resources: dict[str, float], target_resources: dict[str, float], model_name: str = "",
+              draft_servers: int = 1) -> "RayStar":
+        """`draft_servers`: K draft server actors (one key pair for all); target i connects to all of
+        them, the (i mod K)th first (launch.Star.connect)."""
         ray = _ray()
         try:
             ray.init(address=address, log_to_driver=False)
@@ -139,23 +142,23 @@ class RayStar:
             raise Unavailable(f"no Ray cluster answers at {address}: {e}") from None
         actor = ray.remote(StarProcess)
         keys = StarKeys()
-        draft_actor = actor.options(**_options(draft_resources)).remote()
-        actors = [draft_actor]
+        actors = [actor.options(**_options(draft_resources)).remote() for _ in range(draft_servers)]
         try:
             draft_cmd = server_command(pair, dataclasses.replace(
                 server, bind=BIND, curve_key=f"{KEYS}/server/server.key_secret", curve_clients=f"{KEYS}/draft-clients"))
-            draft_address = ray.get(draft_actor.start.remote(draft_cmd, keys.files("draft")))
+            drafts = ray.get([a.start.remote(draft_cmd, keys.files("draft")) for a in actors])
             targets = [actor.options(**_options(target_resources)).remote() for _ in range(n)]
             actors += targets
             target_keys = [*to_flags(ClientKeys(f"{KEYS}/targets/target.key_secret", f"{KEYS}/server/server.key")),
                            *to_flags(ServingKeys(f"{KEYS}/serving/serving.key_secret", f"{KEYS}/gateways"))]
-            commands = [target_server_command(pair, draft, f"target-{i}", BIND, draft_address, model_name) + target_keys
-                        for i in range(n)]
+            star = Star([], drafts)
+            commands = [target_server_command(pair, draft, f"target-{i}", BIND, star.connect(i), model_name)
+                        + target_keys for i in range(n)]
             addresses = ray.get([t.start.remote(c, keys.files("target")) for t, c in zip(targets, commands)])
         except BaseException:
             cls(None, [], actors, keys).close()
             raise
-        return cls(draft_address, addresses, actors, keys)
+        return cls(star.address, addresses, actors, keys)
 
     def close(self) -> None:
         ray = _ray()
