@@ -241,6 +241,19 @@ def test_no_look_at_drafting_makes_a_cohosted_server_ingest_a_prompt():
                share_per_level=5).count(0) == 128
 
 
+def test_a_move_to_another_server_voids_what_the_last_one_taught():
+    """Drafts that pay, then the server dies with a draft in flight: its deadline is missed twice,
+    and the stream pauses. Its session moves to another server: the pause and the dead server's
+    draft costs go, the new one's figure per level stands in, and the next step drafts."""
+    policy = DepthPolicy(8, explore=16)
+    run(policy, 32, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2, right=6)
+    for _ in range(3):
+        policy.missed(policy.chosen or 8, 400.0)
+    assert policy.paused and policy.choose(8) == 0
+    policy.new_server(5.0)
+    assert not policy.paused and policy.draft_ms.measured(8) == 0 and policy.choose(8) > 0
+
+
 def test_deadline_is_the_wait_speculation_can_win_back():
     policy = DepthPolicy(4)
     for _ in range(20):

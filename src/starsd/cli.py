@@ -501,6 +501,8 @@ BENCHES = {  # name: (help, module with add_args and main)
                   "starsd.bench.multihost"),
     "slow-server": ("a draft server slowed on purpose: targets waiting for every draft vs the draft deadline",
                     "starsd.bench.slow_server"),
+    "servers": ("two draft servers against one past saturation (replay targets, a core each), and one killed",
+                "starsd.bench.servers"),
     "memory": ("peak RSS of co-located vs remote-draft targets; instances that fit a budget", "starsd.bench.memory"),
     "fuzz": ("bad inputs to protocol.decode and to a live draft server; honest sessions unchanged", "starsd.bench.fuzz"),
     "soak": ("many replay targets for a long run with faults injected; losses, errors, RSS", "starsd.bench.soak"),

@@ -24,7 +24,7 @@ from starsd.emulate.replay import LatencyProfile, Recording, ReplaySequence, Rep
 from starsd.spec.decode import speculative, target_only, verify_widths
 from starsd.spec.depth import DepthPolicy
 from starsd.spec.verify import Verdict
-from starsd.star.client import DraftClient
+from starsd.star.client import DraftClient, for_target
 from starsd.star.remote_drafter import RemoteDrafter, Timing
 
 
@@ -102,7 +102,8 @@ class Host:
 
     def _target(self, i: int) -> None:
         name = f"replay-{i}"
-        client = DraftClient(self.connect, self.recording.fingerprint, name, self.timeout_s, keys=self.keys)
+        client = DraftClient(for_target(self.connect, i), self.recording.fingerprint, name, self.timeout_s,
+                             keys=self.keys)
         try:
             if not self.no_spec:
                 client.hello()
@@ -148,8 +149,8 @@ class Host:
                     "target": name, "replay": True, "prompt_id": prompt_id, "token_ids": gen.token_ids,
                     "num_steps": gen.num_steps, "mean_accepted": gen.mean_accepted, "seconds": gen.seconds,
                     "tokens_per_s": gen.tokens_per_s, "started": started, "finished": time.time(),
-                    "trace": gen.trace, "asked": gen.asked, "verify_ms": target.verify_ms, "draft": t.summary(),
-                    "session": client.tag,
+                    "trace": gen.trace, "asked": gen.asked, "depths": gen.depths, "verify_ms": target.verify_ms,
+                    "draft": t.summary(), "session": client.tag, "server": client.address, "moves": drafter.moves,
                     "requests": {"wall": t.wall, "queue": t.queue, "service": t.service, "batch": t.batch}})
             if not self.duration_s:
                 return

@@ -172,6 +172,9 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     done = max_new_tokens <= 0
     while not done:
         budget = max_new_tokens - produced
+        if policy and drafter.moves != policy.moves:  # another server drafts for this stream now
+            policy.moves = drafter.moves
+            policy.new_server(drafter.level_ms)
         if produced:
             depth = pick(budget)
         elif taps is not None and len(prompt_ids) < 2:

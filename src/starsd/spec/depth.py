@@ -218,6 +218,7 @@ class DepthPolicy:
     prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
     cohosted: bool = False  # the draft server computes on this host's cores: a draft asked ahead is not free
     holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec/decode.py sets it)
+    moves: int = 0  # the drafter's moves to another server, as of the last new_server (spec/decode.py)
     share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
 
     def __post_init__(self):
@@ -366,6 +367,17 @@ class DepthPolicy:
             self.draft_ms.prior = max(self.draft_ms.prior, level_ms)
         if not self.share_ms.samples:
             self.share_ms.prior = level_ms
+
+    def new_server(self, level_ms: float) -> None:
+        """The stream's drafts now come from another server (its last one died or had no room): what
+        was learnt of the last one's costs, and any pause after its missed deadlines, are void (a
+        draft lost with a dead server is no sign of a slow one); the new server's figure per level
+        (0: unknown) stands in until its drafts are measured."""
+        self.draft_ms = Costs(1.0, extend="line")
+        self.share_ms = Costs(0.0, extend="line")
+        self.paused = self.misses = self.late_asks = self.late_probes = 0
+        self.holds = False
+        self.server_prior(level_ms)
 
     def prefill(self, ms: float) -> None:
         """The target's prefill took `ms`: until a one-token pass is measured, its cost is taken to

@@ -24,6 +24,7 @@ class DraftSource(Protocol):
     level_ms: float  # what a drafted level has cost of late (0: not known): a new stream's prior
     lateness: float  # asynchronous: tokens a stream commits between asking a draft and reading it
     server_ms: float  # asynchronous: the drafting side's own time on a request
+    moves: int  # sessions moved to another server so far: what was learnt of the last one's costs is void
 
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> Any:
@@ -48,6 +49,7 @@ class LocalDrafting:
     level_ms = 0.0
     lateness = 1.0
     server_ms = 0.0
+    moves = 0
 
     def keep_up(self, seq: Any) -> None:
         pass

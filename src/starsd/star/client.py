@@ -61,6 +61,15 @@ def query_stats(address: str, name: str = "stats", timeout_s: float = 10.0,
         client.close()
 
 
+def for_target(addresses: str, i: int) -> str:
+    """Several draft servers' addresses (comma-separated) as target i takes them: starting at the
+    (i mod K)th, so that K servers each open with a K-th of the targets, and each target has the
+    others to move to (DraftClient.move)."""
+    listed = [a for a in addresses.split(",") if a]
+    k = i % max(1, len(listed))
+    return ",".join(listed[k:] + listed[:k])
+
+
 class DraftClient:
     """One DEALER connection with one session. Not thread-safe: one request in flight at a time.
 

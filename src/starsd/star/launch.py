@@ -24,7 +24,7 @@ from starsd.models import pinned
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_plot, write_json
 from starsd.results import summary as print_summary  # `summary` is the launch's figures here
-from starsd.star.client import DraftClient
+from starsd.star.client import DraftClient, for_target
 from starsd.star.processes import describe, free_port, read_json_line, spawn
 from starsd.star.stats import busy_fraction
 from starsd.star.supervise import Supervisor
@@ -51,11 +51,8 @@ class Star:
         return ",".join(self.addresses)
 
     def connect(self, i: int) -> str:
-        """What target i connects to: every draft server, starting at the (i mod K)th, so that K servers
-        each open with a K-th of the targets and each target has the others to move to (its session moves
-        to the next when its server dies or has no room: star/remote_drafter.py)."""
-        k = i % max(1, len(self.addresses))
-        return ",".join(self.addresses[k:] + self.addresses[:k])
+        """What target i connects to: every draft server, the (i mod K)th first (client.for_target)."""
+        return for_target(self.address, i)
 
     def supervise(self, supervisor: Supervisor) -> None:
         """From now on every process of the star that exits is started again, until close()."""

@@ -1,0 +1,152 @@
+"""Several draft servers: two against one, past what one can serve, and one of the two killed.
+
+Replay targets (remote targets emulated: replay.py) decode against real draft servers, each pinned
+to a core of its own (taskset), so that one draft host is one core of this machine and the
+one-server baseline has one core too. Side by side in one run, over the same window:
+- one server (core 0), N targets;
+- two servers (cores 0 and 1), the same N targets: target i opens its session at server i mod 2
+  (client.for_target), and moves to the other when its server dies or has no room;
+- the same two, server 1 killed (SIGKILL) --kill-at-s into the window: its targets' sessions move
+  to server 0, each with a reset of its whole accepted prefix.
+Reported: system tokens/s of each and the ratio of two servers to one; for the kill, whether every
+target's output is the recording's (a replay target stops at the first token that differs, so a
+token lost or changed would fail the run), the moves, and each moved target's gap from the kill to
+its first drafted step afterwards. N defaults to 16, about twice what one server on one core of
+this CPU serves before it saturates (docs/benchmarks.md). The replay host runs unpinned: its
+emulated passes sleep, but its verification and messages take some of both cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+from starsd import config as C
+from starsd.bench import harness, metrics
+from starsd.results import Steps, bar_plot, summary, write_json
+from starsd.star.launch import Star, start_server
+from starsd.star.processes import read_json_line, spawn
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    harness.add_star_args(p, "results/servers.json")
+    p.add_argument("--kill-at-s", type=float, default=10.0, help="seconds into the window the second server dies")
+    p.set_defaults(targets="16", warmup_s=20.0, measure_s=40.0)
+
+
+def servers(args, cores: list[int]) -> Star:
+    """One draft server per core, each pinned to it, at one thread (--threads is the recorded target's)."""
+    pair = dataclasses.replace(C.from_args(C.PairConfig, args), threads=1)
+    star = Star([], [])
+    try:
+        for core in cores:
+            one = start_server(pair, harness.server_config(args, serial=False, predraft=True),
+                               prefix=["taskset", "-c", str(core)])
+            star.servers += one.servers
+            star.addresses += one.addresses
+    except BaseException:
+        star.close()
+        raise
+    return star
+
+
+def run_point(runner: harness.Runner, star: Star, n: int, kill_at: float | None = None) -> tuple[list[dict], float]:
+    """The replay host against the star's servers for warm-up + window; with `kill_at`, the last
+    server is killed that many seconds into the window. Returns its rows and its go time."""
+    a = runner.args
+    argv = harness.replay_command(runner.inputs, star.address, n, a.max_new_tokens, a.warmup_s + a.measure_s, a.seed)
+    proc = spawn(argv)
+    try:
+        read_json_line(proc, "ready", 120)
+        go = time.time()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        if kill_at is not None:
+            time.sleep(max(0.0, go + a.warmup_s + kill_at - time.time()))
+            star.servers[-1].kill()
+            star.servers[-1].wait()
+        out, _ = proc.communicate(timeout=a.warmup_s + a.measure_s + 300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    errors = [r["error"] for r in rows if "error" in r]
+    if proc.returncode or errors:
+        raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
+    return rows, go
+
+
+def figures(rows: list[dict], n: int, go: float, args) -> dict:
+    w0 = go + args.warmup_s
+    return metrics.point(metrics.iterations(rows), n, w0, w0 + args.measure_s)
+
+
+def takeover(rows: list[dict], n: int, killed_at: float) -> dict:
+    """What the kill cost: the moves, and for each target that had opened at the killed server (odd
+    i), the seconds from the kill to its first drafted step after it."""
+    steps: dict[str, list[tuple[float, int]]] = {}
+    for r in rows:
+        steps.setdefault(r["target"], []).extend(zip((end for end, _ in r["trace"]), r["depths"]))
+    gaps = {}
+    for i in range(1, n, 2):
+        name = f"replay-{i}"
+        after = [end for end, depth in sorted(steps.get(name, [])) if end > killed_at and depth]
+        gaps[name] = after[0] - killed_at if after else None
+    known = [g for g in gaps.values() if g is not None]
+    last = {}
+    for r in rows:  # each target's last row: its moves so far and where it drafts now
+        last[r["target"]] = r
+    return {"moved_targets": sum(1 for r in last.values() if r["moves"]), "moves": sum(r["moves"] for r in last.values()),
+            "on_the_survivor": sum(1 for r in last.values() if r["server"] == last["replay-0"]["server"]),
+            "gap_s": gaps, "gap_median_s": statistics.median(known) if known else None,
+            "gap_max_s": max(known) if len(known) == len(gaps) else None,
+            "tokens_lost": 0}  # replay targets verify every token against the recording: a lost or
+    # changed token fails the run (run_point raises), so a result means none was
+
+
+def run(args, steps: Steps) -> dict:
+    inputs = harness.prepare(args)
+    runner = harness.Runner(inputs, args)
+    n = harness.numbers(args.targets)[0]
+    out = {}
+    for name, cores, kill in (("one server", [0], None), ("two servers", [0, 1], None),
+                              ("two servers, one killed", [0, 1], args.kill_at_s)):
+        steps.begin(f"{name}, N={n}")
+        star = servers(args, cores)
+        try:
+            rows, go = run_point(runner, star, n, kill)
+        finally:
+            star.close()
+        point = figures(rows, n, go, args)
+        if kill is not None:
+            point["takeover"] = takeover(rows, n, go + args.warmup_s + kill)
+        out[name] = point
+        steps.end(f"{name}: {point['system_tokens_per_s']:.2f} tok/s")
+    one, two, killed = (out[k]["system_tokens_per_s"] for k in out)
+    return {"replay": {"targets": "replay (remote targets emulated; the draft servers are real)",
+                       "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
+            "settings": {k: v for k, v in vars(args).items() if k != "func"}, "targets": n, "points": out,
+            "checks": {"two_over_one": two / one, "killed_over_one": killed / one,
+                       "two_at_least_1_8x_one": two / one >= 1.8,
+                       "takeover_within_2_s": (out["two servers, one killed"]["takeover"]["gap_max_s"] or 99) <= 2.0}}
+
+
+def main(args) -> int:
+    with Steps("bench servers", 3, step_s=args.warmup_s + args.measure_s + 20) as steps:
+        result = run(args, steps)
+    write_json(args.json_out, result)
+    png = str(args.json_out).rsplit(".", 1)[0] + ".png"
+    points = result["points"]
+    bar_plot(png, list(points), [p["system_tokens_per_s"] for p in points.values()], "system tokens / s",
+             f"{result['targets']} replay targets, draft servers on one core each")
+    take = points["two servers, one killed"]["takeover"]
+    facts = {k: f"{v:.2f}" if isinstance(v, float) else str(v) for k, v in result["checks"].items()}
+    facts["takeover"] = (f"{take['moved_targets']} targets moved ({take['moves']} moves), gap from the kill to a "
+                         f"drafted step: median {take['gap_median_s']} s, max {take['gap_max_s']} s")
+    summary("Several draft servers", ["servers", "system tok/s", "per target", "drafted"],
+            [[k, f"{p['system_tokens_per_s']:.2f}", f"{p['per_target_tokens_per_s']:.2f}", f"{p['drafted_share']:.0%}"]
+             for k, p in points.items()], facts, {"results": args.json_out, "plot": png})
+    return 0
