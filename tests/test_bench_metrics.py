@@ -287,3 +287,20 @@ def test_service_benchmark_measures_s_of_b_against_the_bound(tmp_path):
     for r in rows.values():
         assert r["service_ms"] > 0 and r["bound_ms"] > 0 and r["samples"] >= 2
     assert (tmp_path / "service.png").stat().st_size > 1000
+
+
+def test_takeover_counts_from_the_kill_to_a_drafted_step_begun_after_it():
+    """bench servers: replay-1 opened at the killed server; its step ending just after the kill
+    verified a draft sent before it and does not count; its first drafted step begun after the
+    kill ends 1.5 s after it. replay-3 never drafts again: no gap, and no maximum."""
+    from starsd.bench.servers import takeover
+
+    rows = [
+        {"target": "replay-0", "started": 9.0, "trace": [(10.5, 3)], "depths": [4], "moves": 0, "server": "A"},
+        {"target": "replay-1", "started": 9.0, "trace": [(10.2, 3), (10.8, 1), (11.5, 4)], "depths": [4, 0, 4],
+         "moves": 1, "server": "A"},
+        {"target": "replay-3", "started": 9.0, "trace": [(11.0, 1)], "depths": [0], "moves": 1, "server": "A"},
+    ]
+    out = takeover(rows, 4, killed_at=10.0)
+    assert out["gap_s"] == {"replay-1": pytest.approx(1.5), "replay-3": None}
+    assert out["moved_targets"] == 2 and out["on_the_survivor"] == 3 and out["gap_max_s"] is None
