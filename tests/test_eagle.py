@@ -16,7 +16,6 @@ from starsd.models import eagle
 from starsd.models.drafter import Drafter
 from starsd.models.eagle import EagleHead, EagleLoadError
 from starsd.models.pair import Pair
-from starsd.models.target import TargetModel
 from starsd.prompts import humaneval
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.verify import warp

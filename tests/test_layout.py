@@ -61,7 +61,7 @@ def test_arithmetic_commands_load_no_torch_transformers_or_zmq(tmp_path):
     profile.write_text(json.dumps({"service_ms": {"1": 100.0, "8": 300.0}, "return_ms": 200.0,
                                    "tokens_per_iteration": 4.0, "target_only_ms_per_token": 150.0, "max_batch": 8}))
     probe = ("import sys; from starsd.cli import main; "
-             f"rc = main(sys.argv[1:]); heavy = [m for m in ('torch', 'transformers', 'zmq') if m in sys.modules]; "
+             "rc = main(sys.argv[1:]); heavy = [m for m in ('torch', 'transformers', 'zmq') if m in sys.modules]; "
              "print('HEAVY', heavy); sys.exit(rc)")
     for argv in (["model", "--from", str(profile), "--targets", "1,4"],
                  ["simulate", "--from", str(profile), "--targets", "1,4"]):
