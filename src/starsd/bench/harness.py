@@ -144,10 +144,11 @@ class Runner:
         self.prefix = list(prefix)
 
     def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None,
-             draft: C.DraftConfig | None = None) -> tuple[list[dict], float]:
+             draft: C.DraftConfig | None = None, during=None) -> tuple[list[dict], float]:
         """Run n replay targets (for duration_s, default warm-up + window; 0: each decodes its share
         of the prompts once) drafting as `draft` says (default: the flags); return their JSON rows
-        and the unix time they were released."""
+        and the unix time they were released. `during(go)`, if given, runs once they are released
+        (a fault to inject mid-run)."""
         a = self.args
         duration_s = a.warmup_s + a.measure_s if duration_s is None else duration_s
         argv = replay_command(self.inputs, address, n, a.max_new_tokens, duration_s, a.seed, draft, no_spec)
@@ -157,6 +158,8 @@ class Runner:
             go = time.time()
             proc.stdin.write("go\n")
             proc.stdin.flush()
+            if during is not None:
+                during(go)
             out, _ = proc.communicate(timeout=(duration_s or 3600) + 300)
         finally:
             if proc.poll() is None:

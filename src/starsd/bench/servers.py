@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -30,7 +29,6 @@ from starsd import config as C
 from starsd.bench import harness, metrics
 from starsd.results import Steps, bar_plot, summary, write_json
 from starsd.star.launch import Star, start_server
-from starsd.star.processes import read_json_line, spawn
 
 
 NICE = ["nice", "-n", "-10"] if os.geteuid() == 0 else []  # the replay host before the servers: it stands for
@@ -62,27 +60,12 @@ def servers(args, cores: list[int]) -> Star:
 def run_point(runner: harness.Runner, star: Star, n: int, kill_at: float | None = None) -> tuple[list[dict], float]:
     """The replay host against the star's servers for warm-up + window; with `kill_at`, the last
     server is killed that many seconds into the window. Returns its rows and its go time."""
-    a = runner.args
-    argv = harness.replay_command(runner.inputs, star.address, n, a.max_new_tokens, a.warmup_s + a.measure_s, a.seed)
-    proc = spawn(argv, NICE)
-    try:
-        read_json_line(proc, "ready", 120)
-        go = time.time()
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        if kill_at is not None:
-            time.sleep(max(0.0, go + a.warmup_s + kill_at - time.time()))
-            star.servers[-1].kill()
-            star.servers[-1].wait()
-        out, _ = proc.communicate(timeout=a.warmup_s + a.measure_s + 300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    errors = [r["error"] for r in rows if "error" in r]
-    if proc.returncode or errors:
-        raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
-    return rows, go
+    def kill(go: float) -> None:
+        time.sleep(max(0.0, go + runner.args.warmup_s + kill_at - time.time()))
+        star.servers[-1].kill()
+        star.servers[-1].wait()
+
+    return runner.host(star.address, n, during=None if kill_at is None else kill)
 
 
 def figures(rows: list[dict], n: int, go: float, args) -> dict:
@@ -119,7 +102,7 @@ def takeover(rows: list[dict], n: int, killed_at: float) -> dict:
 
 def run(args, steps: Steps) -> dict:
     inputs = harness.prepare(args)
-    runner = harness.Runner(inputs, args)
+    runner = harness.Runner(inputs, args, NICE)
     n = harness.numbers(args.targets)[0]
     out = {}
     for name, cores, kill in (("one server", [0], None), ("two servers", [0, 1], None),
