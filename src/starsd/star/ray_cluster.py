@@ -24,7 +24,8 @@ from pathlib import Path
 
 from starsd.config import ClientKeys, DraftConfig, GatewayKeys, PairConfig, ServerConfig, ServingKeys, to_flags
 from starsd.errors import StarsdError, Unavailable
-from starsd.star.launch import Star, server_command, target_server_command
+from starsd.star.client import for_target
+from starsd.star.launch import server_command, target_server_command
 from starsd.star.processes import free_port, read_json_line, spawn
 from starsd.star.security import make_keys
 
@@ -134,7 +135,7 @@ class RayStar:
               draft_resources: dict[str, float], target_resources: dict[str, float], model_name: str = "",
               draft_servers: int = 1) -> "RayStar":
         """`draft_servers`: K draft server actors (one key pair for all); target i connects to all of
-        them, the (i mod K)th first (launch.Star.connect)."""
+        them, the (i mod K)th first (client.for_target)."""
         ray = _ray()
         try:
             ray.init(address=address, log_to_driver=False)
@@ -151,14 +152,14 @@ class RayStar:
             actors += targets
             target_keys = [*to_flags(ClientKeys(f"{KEYS}/targets/target.key_secret", f"{KEYS}/server/server.key")),
                            *to_flags(ServingKeys(f"{KEYS}/serving/serving.key_secret", f"{KEYS}/gateways"))]
-            star = Star([], drafts)
-            commands = [target_server_command(pair, draft, f"target-{i}", BIND, star.connect(i), model_name)
-                        + target_keys for i in range(n)]
+            draft_address = ",".join(drafts)
+            commands = [target_server_command(pair, draft, f"target-{i}", BIND, for_target(draft_address, i),
+                                              model_name) + target_keys for i in range(n)]
             addresses = ray.get([t.start.remote(c, keys.files("target")) for t, c in zip(targets, commands)])
         except BaseException:
             cls(None, [], actors, keys).close()
             raise
-        return cls(star.address, addresses, actors, keys)
+        return cls(draft_address, addresses, actors, keys)
 
     def close(self) -> None:
         ray = _ray()
