@@ -256,10 +256,12 @@ def test_launch_ctrl_c_leaves_no_orphans(dirs):
 
 
 def test_launch_runs_a_local_star_and_reports_it(dirs, tmp_path):
+    """A fixed depth (the flags after --, for every target): with the default policy, targets that
+    measure no draft paying on a busy 2-core host decode alone, and the server would report nothing."""
     out = tmp_path / "launch.json"
     run = subprocess.run([*spawn_cmd(), "launch", "--targets", "2", "--target", dirs["target"], "--draft", dirs["draft"],
-                          "--dtype", "float32", "--limit", "4", "--max-new-tokens", "24", "--json-out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+                          "--dtype", "float32", "--limit", "4", "--max-new-tokens", "24", "--json-out", str(out),
+                          "--", "--no-draft-adaptive"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "system:" in run.stdout and "pre-drafting:" in run.stdout
     result = json.loads(out.read_text())
