@@ -196,6 +196,12 @@ class Acceptance:
         return total
 
 
+def server_costs() -> tuple[Costs, Costs]:
+    """A stream's figures of its draft server before it measures any: a draft's wait (nearly free) and
+    a co-hosted server's compute on it (none), both lines in the depth."""
+    return Costs(1.0, extend="line"), Costs(0.0, extend="line")
+
+
 @dataclass
 class DepthPolicy:
     """The depth of each step of one stream: 0 (decode alone) .. max_depth."""
@@ -224,9 +230,10 @@ class DepthPolicy:
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
         # Priors that make speculating look worth it until measured: drafts cheap, verify flat.
-        self.draft_ms = self.draft_ms or Costs(1.0, extend="line")
+        draft_ms, share_ms = server_costs()
+        self.draft_ms = self.draft_ms or draft_ms
         self.verify_ms = self.verify_ms or Costs(100.0)
-        self.share_ms = self.share_ms or Costs(0.0, extend="line")
+        self.share_ms = self.share_ms or share_ms
         self.chosen = self.max_depth
 
     def rate(self, d: int, rates: list[float] | None = None) -> float:
@@ -373,8 +380,7 @@ class DepthPolicy:
         was learnt of the last one's costs, and any pause after its missed deadlines, are void (a
         draft lost with a dead server is no sign of a slow one); the new server's figure per level
         (0: unknown) stands in until its drafts are measured."""
-        self.draft_ms = Costs(1.0, extend="line")
-        self.share_ms = Costs(0.0, extend="line")
+        self.draft_ms, self.share_ms = server_costs()
         self.paused = self.misses = self.late_asks = self.late_probes = 0
         self.holds = False
         self.server_prior(level_ms)

@@ -132,7 +132,7 @@ def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: 
     try:
         for j in range(count):
             address = f"tcp://{host}:{port if port and not j else free_port()}"
-            metrics = server.metrics_port if server.metrics_port and not j else free_port() if server.metrics_port else 0
+            metrics = 0 if not server.metrics_port else server.metrics_port if not j else free_port()
             cfg = dataclasses.replace(server, bind=address, metrics_port=metrics)
             star.servers.append(spawn(server_command(pair, cfg), prefix, stderr=stderr))
             star.addresses.append(address)
