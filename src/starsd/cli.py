@@ -219,12 +219,15 @@ def cmd_target_server(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     pair = Pair.load(cfg.target_model(), None, cfg.cache, cfg.threads)
-    client = None
-    if args.connect:
-        client = DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, pair.target.width),
-                             args.name, args.timeout, keys=client_keys)
-        client.try_hello()
-    server = TargetServer(pair, args.bind, client, draft, args.name, args.served_model_name or cfg.target,
+    clients = None
+    if args.connect:  # a draft session for each stream served at once
+        streams = len(pair.target.slots)
+        names = [args.name] if streams == 1 else [f"{args.name}/{i}" for i in range(streams)]
+        clients = [DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, pair.target.width), name,
+                               args.timeout, keys=client_keys) for name in names]
+        for client in clients:
+            client.try_hello()
+    server = TargetServer(pair, args.bind, clients, draft, args.name, args.served_model_name or cfg.target,
                           insecure=args.insecure, keys=serving_keys)
     if args.metrics_port:
         from starsd.serve.metrics import TargetCollector, serve_metrics
@@ -235,7 +238,7 @@ def cmd_target_server(args) -> int:
     try:
         server.serve(on_ready=lambda: print(json.dumps({"ready": args.bind}), flush=True))
     finally:
-        if client:
+        for client in clients or ():
             client.close()
     return 0
 
@@ -487,6 +490,8 @@ BENCHES = {  # name: (help, module with add_args and main)
               "starsd.bench.depth"),
     "llamacpp": ("a llama.cpp target: alone, with StarSD co-located and from a draft server on a core of its own, "
                  "and llama.cpp's own speculation", "starsd.bench.llamacpp"),
+    "streams": ("one llama.cpp target server given S requests at once: S streams batched vs one at a time",
+                "starsd.bench.streams"),
     "sampled-q": ("a sampled draft's q on the wire: its support against the full distribution, bytes and acceptance",
                   "starsd.bench.sampled_q"),
     "service": ("the draft server's batch time S(b) by batch size, against the bare model's passes",

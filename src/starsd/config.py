@@ -26,6 +26,7 @@ MAX_DRAFT_TOP_K = 16
 MAX_DRAFT_NODES = 256
 MAX_SAMPLE_TOP_K = 256  # a sampled node's support: its q takes 6 bytes a token on the wire, 1.5 KB at most
 MAX_SEED = (1 << 63) - 2  # a draft generator is seeded with seed + 1, which must fit an int64
+MAX_STREAMS = 64  # streams one target server decodes at once
 
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("transformers", "llamacpp")
@@ -68,12 +69,15 @@ class ModelConfig:
                             "stays lossless, since the target verifies it)", choices=("none", "int8"))
     engine: str = setting("transformers", "what runs it", choices=ENGINES)
     context: int = setting(0, "llama.cpp: the context's size in tokens (0: the model's trained context)")
+    streams: int = setting(1, "a target: streams it decodes at once")
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise SettingError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
         if self.context < 0:
             raise SettingError(f"context must be >= 0, not {self.context}")
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise SettingError(f"a target serves 1 to {MAX_STREAMS} streams at once, not {self.streams}")
         if self.engine == "llamacpp" and not self.device.startswith("cpu"):
             raise SettingError("the llama.cpp target engine runs on the CPU (--device cpu)")
         if self.dtype not in DTYPES:
@@ -109,6 +113,9 @@ class PairConfig:
                                  choices=("auto", *ENGINES))
     target_context: int = setting(0, "llama.cpp target: its context in tokens, prompt and answer (0: the model's "
                                   "trained context; its KV cache is allocated whole at start)")
+    target_streams: int = setting(1, "a target server: streams it decodes at once, each with its own draft session; "
+                                  "llama.cpp verifies them together, one batched pass a step, in one context of "
+                                  "streams x --target-context tokens; transformers, one stream's pass at a time")
     threads: int = setting(0, "torch CPU threads (0: torch's default, all cores; in a local star, `launch` or "
                            "`serve`, an equal share of the cores for each of its processes)")
 
@@ -121,7 +128,7 @@ class PairConfig:
     def target_model(self) -> ModelConfig:
         """The target runs as given: it is never quantised."""
         return ModelConfig(self.target, self.device, resolve_dtype(self.dtype, self.device), engine=self.engine,
-                           context=self.target_context)
+                           context=self.target_context, streams=self.target_streams)
 
     @property
     def engine(self) -> str:

@@ -205,7 +205,7 @@ def main(args) -> int:
         points["llama-speculative"]["vs_alone"] = rate["llama-speculative"] / rate["alone"]
     result = {"benchmark": "llamacpp", "target": pair.target, "draft": pair.draft, "prompts": args.prompts,
               "offset": args.offset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "cpu_flags": _cpu_kind(), "llama_draft_max": args.llama_draft_max, "modes": points,
+              "cpu_flags": cpu_kind(), "llama_draft_max": args.llama_draft_max, "modes": points,
               "divergences": divergences}
     write_json(args.json_out, result)
     png = str(args.json_out).rsplit(".", 1)[0] + ".png"
@@ -217,7 +217,7 @@ def main(args) -> int:
         rows.append([m, f"{p['tokens_per_s']:.2f}", f"{vs:.2f}x" if vs else "",
                      f"{p['equal_share']:.0%}" if "equal_share" in p else ""])
     summary(f"bench llamacpp: {len(prompts)} {args.prompts} prompts from #{args.offset}, {args.max_new_tokens} tokens, "
-            f"greedy, {_cpu_kind()}; decoding tokens/s after the first step",
+            f"greedy, {cpu_kind()}; decoding tokens/s after the first step",
             ["mode", "tokens/s", "vs alone on the same cores", "greedy output equal"], rows,
             facts={"divergences": ", ".join(f"{d['mode']} {d['prompt']} at {d['position']} (margin {d['margin']:.3f})"
                                             for d in divergences) or "none"},
@@ -225,6 +225,6 @@ def main(args) -> int:
     return 0 if all(d["near_tie"] for d in divergences) else 1
 
 
-def _cpu_kind() -> str:
+def cpu_kind() -> str:
     flags = C.cpu_flags()
     return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "x86"

@@ -1,13 +1,21 @@
 """A target on llama.cpp (through llama-cpp-python's low-level API): the GGUF file the pair comes
 from, run as llama.cpp runs it, behind the interface of models/target.py.
 
-One llama.cpp context holds one stream's KV cache. A draft is scored in one `llama_decode` of the
-pending root and its nodes, every position's logits kept. A chain lives in one sequence of the
-context. A tree lives in as many sequences as it has leaves: a node belongs to the sequence of
-every leaf below it, so it attends to exactly its ancestors (llama.cpp lets a token see the cells
-of its own sequences at earlier positions), and the committed prefix is shared by all of them.
-`commit` then keeps one leaf's sequence below the accepted node, cut after the accepted path, and
-folds it back into sequence 0.
+One llama.cpp context holds the KV cache of `streams` streams, each in a *slot*: a block of the
+context's sequence ids, the first of which (the slot's base) holds its committed tokens. A draft is
+scored in one `llama_decode` of the pending root and its nodes, every position's logits kept. A
+chain lives in the base sequence. A tree lives in as many sequences of the block as it has leaves:
+a node belongs to the sequence of every leaf below it, so it attends to exactly its ancestors
+(llama.cpp lets a token see the cells of its own sequences at earlier positions), and the committed
+prefix is shared by all of them. `commit` then keeps one leaf's sequence below the accepted node,
+cut after the accepted path, and folds it back into the base.
+
+With several slots, the streams' passes go through a Batcher: the passes that several streams ask
+for at about the same time are one `llama_decode` of all their rows (on this CPU 4 streams' single
+tokens cost 109 ms in one pass against 36 ms for one alone), and a new stream's prompt is fed in
+chunks of SHARED_PREFILL_CHUNK tokens, each riding in a pass with the running streams' rows, so
+that they do not stall for a whole prefill. Each slot's stream is driven by a thread of its own
+(star/target_server.py); the context is touched under one lock.
 
 llama.cpp rounds a batch of k tokens differently from k single-token passes (its kernels block the
 work differently), so its greedy output with drafts equals its target-only greedy output except at
@@ -20,20 +28,23 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from starsd.config import ModelConfig
+from starsd.config import MAX_STREAMS, ModelConfig
 from starsd.errors import StarsdError
 from starsd.models import pinned
 from starsd.spec.tree import DraftTree, children, depths
 from starsd.spec.verify import Verdict
 
-MAX_SEQUENCES = 256  # llama.cpp's own bound on a context's sequences: a tree of at most this many leaves
+MAX_SEQUENCES = 256  # llama.cpp's own bound on a context's sequences, shared by its slots: their trees' leaves
 PREFILL_CHUNK = 512  # tokens a prefill submits in one llama_decode
+SHARED_PREFILL_CHUNK = 64  # with several slots: prompt tokens a pass carries beside the running streams' rows
 
 
 class EngineMissing(StarsdError, RuntimeError):
@@ -88,26 +99,107 @@ def gguf_file(path: str, cache: str | None = None) -> Path:
     return found[0]
 
 
+Row = tuple[int, int, tuple[int, ...], bool]  # (token, position, sequences, logits?) in a llama_decode
+
+
 @dataclass
 class LlamaSequence:
     """One stream in the context: tokens as TargetSequence's (the cache covers all but the last)."""
 
     tokens: list[int]
-    cached: int = 0  # positions in sequence 0: the committed tokens but the pending one
+    slot: int = 0  # which slot of the context holds it
+    cached: int = 0  # positions in the slot's base sequence: the committed tokens but the pending one
     scored: int = 0  # nodes of the last scored tree, in the cache until commit
     leaf_of: list[int] | None = None  # the last tree's: for each node, the sequence of a leaf below it
     features: None = None  # no features: EAGLE heads need the transformers engine
-    epoch: int = 0  # which start() of its context it belongs to
+    epoch: int = 0  # which start() of its slot it belongs to
+
+
+@dataclass
+class _Pass:
+    """Rows a stream asks to have decoded, and, once done, the logits of those that want them."""
+
+    rows: list[Row]
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: np.ndarray | None = None  # [rows with logits, V]
+    error: BaseException | None = None
+
+
+class Batcher:
+    """Gathers the passes a context's streams ask for into one llama_decode, on a thread of its own.
+
+    A pass starts as soon as every open stream has asked for one, or GATHER_S after the first ask,
+    whichever comes first: a stream that is waiting for its draft, or sending its tokens, does not
+    hold the others back for longer than that. Passes go in the order asked, as many as the
+    context's batch holds (the first always)."""
+
+    GATHER_S = 0.004
+
+    def __init__(self, run, capacity: int):
+        self.run = run  # decodes a list of _Pass, under the context's lock
+        self.capacity = capacity  # rows one llama_decode takes
+        self.cond = threading.Condition()
+        self.waiting: list[_Pass] = []
+        self.open = 0  # streams that will ask for passes (started, not ended)
+        self.asked = 0  # passes asked for, in all
+        self.passes = 0  # llama_decodes run for them
+        self.thread = threading.Thread(target=self._loop, name="llamacpp-batcher", daemon=True)
+        self.thread.start()
+
+    def submit(self, rows: list[Row]) -> np.ndarray | None:
+        job = _Pass(rows)
+        with self.cond:
+            self.waiting.append(job)
+            self.asked += 1
+            self.cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.logits
+
+    def opened(self, n: int) -> None:
+        with self.cond:
+            self.open += n
+            self.cond.notify_all()
+
+    def _take(self) -> list[_Pass]:
+        with self.cond:
+            while not self.waiting:
+                self.cond.wait()
+            until = time.monotonic() + self.GATHER_S
+            while len(self.waiting) < self.open and (left := until - time.monotonic()) > 0:
+                self.cond.wait(left)
+            taken: list[_Pass] = []
+            rows = 0
+            while self.waiting and (not taken or rows + len(self.waiting[0].rows) <= self.capacity):
+                taken.append(self.waiting.pop(0))
+                rows += len(taken[-1].rows)
+            self.passes += 1
+            return taken
+
+    def _loop(self) -> None:
+        while True:
+            taken = self._take()
+            try:
+                self.run(taken)
+            except BaseException as e:  # each stream that asked hears of it; the thread goes on
+                for job in taken:
+                    job.error = e
+            for job in taken:
+                job.done.set()
 
 
 class LlamaCppTarget:
-    """A llama.cpp target with models/target.py's interface: start, score, commit. One stream at a
-    time: a start() ends the previous stream of this context."""
+    """A llama.cpp target with models/target.py's interface: start, score, commit, on its first slot
+    (a start() ends that slot's previous stream). With `streams` > 1, `slots` holds a view of each
+    slot with the same interface, each to be driven by a thread of its own."""
 
     device = torch.device("cpu")
     engine = "llamacpp"
 
-    def __init__(self, file: Path, context: int = 0, threads: int = 0):
+    def __init__(self, file: Path, context: int = 0, threads: int = 0, streams: int = 1):
+        if not 1 <= streams <= MAX_STREAMS:
+            raise StarsdError(f"a llama.cpp target serves 1 to {MAX_STREAMS} streams, not {streams}")
         ll = self.ll = _lib()
         _quiet(ll)
         mparams = ll.llama_model_default_params()
@@ -118,9 +210,9 @@ class LlamaCppTarget:
         self.file = file
         self.width = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
         trained = ll.llama_model_n_ctx_train(self.model)
-        self.max_context = min(context, trained) if context else trained
+        self.max_context = min(context, trained) if context else trained  # one stream's
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx = self.max_context
+        cparams.n_ctx = self.max_context * streams
         cparams.n_batch = cparams.n_ubatch = cparams.n_outputs_max = PREFILL_CHUNK  # a tree: n + 1 logits
         cparams.n_seq_max = MAX_SEQUENCES
         cparams.kv_unified = True  # one cell pool for every sequence: a tree's branches share the prefix
@@ -129,43 +221,55 @@ class LlamaCppTarget:
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             ll.llama_model_free(self.model)
-            raise StarsdError(f"llama.cpp could not make a context of {self.max_context} tokens for {file}")
+            raise StarsdError(f"llama.cpp could not make a context of {streams} x {self.max_context} tokens for {file}")
         self.memory = ll.llama_get_memory(self.ctx)
-        self.chunk = ll.llama_n_batch(self.ctx)  # PREFILL_CHUNK, or the context if smaller
+        self.capacity = ll.llama_n_batch(self.ctx)  # rows one llama_decode takes
+        self.chunk = self.capacity if streams == 1 else min(SHARED_PREFILL_CHUNK, self.capacity)
         self.batch = ll.llama_batch_init(PREFILL_CHUNK, 0, MAX_SEQUENCES)
-        self.epoch = 0
+        self.block = MAX_SEQUENCES // streams  # sequence ids per slot: its base, then its tree's other leaves
+        self.epochs = [0] * streams  # each slot's count of start()s
+        self.live = [0] * streams  # each slot's sequences that may hold cells
+        self.lock = threading.Lock()  # over the context: decodes and memory edits
+        self.batcher = Batcher(self._run, self.capacity) if streams > 1 else None
+        self.slots = [LlamaCppSlot(self, i) for i in range(streams)]
 
     @classmethod
     def load(cls, cfg: ModelConfig, cache: str | None = None, threads: int = 0) -> "LlamaCppTarget":
         if not cfg.device.startswith("cpu"):
             raise StarsdError("the llama.cpp target engine runs on the CPU here (--device cpu)")
-        return cls(gguf_file(cfg.path, cache), cfg.context, threads)
+        return cls(gguf_file(cfg.path, cache), cfg.context, threads, cfg.streams)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
-            self.ll.llama_batch_free(self.batch)
-            self.ll.llama_free(self.ctx)
-            self.ll.llama_model_free(self.model)
-            self.ctx = None
+            with self.lock:
+                self.ll.llama_batch_free(self.batch)
+                self.ll.llama_free(self.ctx)
+                self.ll.llama_model_free(self.model)
+                self.ctx = None
 
     def __del__(self):
         self.close()
 
     # the interface of models/target.py
 
-    def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None) -> LlamaSequence:
-        """Prefill the prompt but its last token (the pending root) in chunks; ends this context's
+    def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None, slot: int = 0) -> LlamaSequence:
+        """Prefill the prompt but its last token (the pending root) in chunks; ends the slot's
         previous stream."""
         if taps is not None:
             raise StarsdError("EAGLE heads draft from the target's hidden states: use --target-engine transformers")
         self._room(len(prompt_ids))
-        self.ll.llama_memory_clear(self.memory, True)
-        self.epoch += 1
-        seq = LlamaSequence(list(prompt_ids), epoch=self.epoch)
+        self.end(slot)
+        with self.lock:
+            self.epochs[slot] += 1
+            self.live[slot] = 1
+        if self.batcher:
+            self.batcher.opened(1)
+        seq = LlamaSequence(list(prompt_ids), slot, epoch=self.epochs[slot])
+        base = self._base(slot)
         body = prompt_ids[:-1]
         for at in range(0, len(body), self.chunk):
             chunk = body[at:at + self.chunk]
-            self._decode([(t, at + i, (0,), False) for i, t in enumerate(chunk)])
+            self._pass([(t, at + i, (base,), False) for i, t in enumerate(chunk)])
         seq.cached = len(body)
         return seq
 
@@ -176,74 +280,122 @@ class LlamaCppTarget:
             raise RuntimeError("score() called twice without commit()")
         n = len(tree)
         self._room(seq.cached + n + 1)
-        if n + 1 > self.chunk:
-            raise StarsdError(f"a draft of {n} nodes: this llama.cpp context scores at most {self.chunk - 1} in one pass")
+        if n + 1 > self.capacity:
+            raise StarsdError(f"a draft of {n} nodes: this llama.cpp context scores at most {self.capacity - 1} in one pass")
         past = seq.cached
+        base = self._base(seq.slot)
         if bool((tree.parents == torch.arange(n) - 1).all()):  # empty too
-            sets = [(0,)] * (n + 1)  # a chain: one sequence
-            seq.leaf_of = [0] * n
+            sets = [(base,)] * (n + 1)  # a chain: the base sequence
+            seq.leaf_of = [base] * n
         else:
-            sets, seq.leaf_of = self._tree_sequences(tree)
+            sets, seq.leaf_of = self._tree_sequences(seq.slot, tree)
         level = depths(tree.parents).tolist()
         rows = [(seq.tokens[-1], past, sets[0], True)]
         rows += [(int(t), past + level[i], sets[i + 1], True) for i, t in enumerate(tree.tokens.tolist())]
-        self._decode(rows)
+        out = self._pass(rows)
         seq.scored = n
-        out = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(n + 1, self.width))
-        return torch.from_numpy(out.copy())
+        return torch.from_numpy(out)
 
     def commit(self, seq: LlamaSequence, verdict: Verdict) -> None:
-        """Keep the root and the accepted path in sequence 0; the last emitted token becomes pending."""
+        """Keep the root and the accepted path in the base sequence; the last emitted token becomes pending."""
         self._own(seq)
+        base = self._base(seq.slot)
         keep_to = seq.cached + 1 + len(verdict.path)  # positions below this stay
-        leaf = seq.leaf_of[verdict.path[-1]] if verdict.path else 0
-        if seq.scored and any(seq.leaf_of):
-            self.ll.llama_memory_seq_keep(self.memory, leaf)  # the other branches go
-            if leaf:
-                self.ll.llama_memory_seq_cp(self.memory, leaf, 0, -1, -1)
-                self.ll.llama_memory_seq_rm(self.memory, leaf, -1, -1)
-        self.ll.llama_memory_seq_rm(self.memory, 0, keep_to, -1)
+        leaf = seq.leaf_of[verdict.path[-1]] if verdict.path else base
+        with self.lock:
+            if seq.scored and any(s != base for s in seq.leaf_of):
+                for s in range(base + 1, base + self.live[seq.slot]):  # the other branches go
+                    if s != leaf:
+                        self.ll.llama_memory_seq_rm(self.memory, s, -1, -1)
+                if leaf != base:
+                    self.ll.llama_memory_seq_rm(self.memory, base, -1, -1)
+                    self.ll.llama_memory_seq_cp(self.memory, leaf, base, -1, -1)
+                    self.ll.llama_memory_seq_rm(self.memory, leaf, -1, -1)
+                self.live[seq.slot] = 1
+            self.ll.llama_memory_seq_rm(self.memory, base, keep_to, -1)
         seq.cached = keep_to
         seq.tokens.extend(verdict.tokens)
         seq.scored = 0
         seq.leaf_of = None
 
+    def end(self, slot: int = 0) -> None:
+        """The slot's stream is over: its cells are freed, and the batcher no longer waits for it."""
+        with self.lock:
+            if not self.live[slot]:
+                return
+            base = self._base(slot)
+            for s in range(base, base + self.live[slot]):
+                self.ll.llama_memory_seq_rm(self.memory, s, -1, -1)
+            self.live[slot] = 0
+            self.epochs[slot] += 1
+        if self.batcher:
+            self.batcher.opened(-1)
+
     # internals
 
-    def _tree_sequences(self, tree: DraftTree) -> tuple[list[tuple[int, ...]], list[int]]:
-        """Each leaf its own sequence; a node belongs to those of the leaves below it, the root to
-        all. Sequence 0, which holds the prefix, is copied to the others first."""
+    def _base(self, slot: int) -> int:
+        return slot * self.block
+
+    def _tree_sequences(self, slot: int, tree: DraftTree) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Each leaf a sequence of the slot's block; a node belongs to those of the leaves below it,
+        the root to all. The base, which holds the prefix, is copied to the others first."""
         kids = children(tree.parents)
         leaves = [i for i in range(len(tree)) if not kids[i + 1]]
-        if len(leaves) > MAX_SEQUENCES:
-            raise StarsdError(f"a draft tree of {len(leaves)} leaves: the llama.cpp engine scores at most "
-                              f"{MAX_SEQUENCES} (fewer --draft-top-k or --draft-total-tokens)")
+        if len(leaves) > self.block:
+            raise StarsdError(f"a draft tree of {len(leaves)} leaves: this llama.cpp target scores at most "
+                              f"{self.block} a stream (fewer --draft-top-k or --draft-total-tokens)")
+        base = self._base(slot)
         below: list[list[int]] = [[] for _ in range(len(tree))]
         for s, leaf in enumerate(leaves):
             node = leaf
             while node >= 0:
-                below[node].append(s)
+                below[node].append(base + s)
                 node = int(tree.parents[node])
-        for s in range(1, len(leaves)):
-            self.ll.llama_memory_seq_cp(self.memory, 0, s, -1, -1)
-        root = tuple(range(len(leaves)))
+        with self.lock:
+            for s in range(1, len(leaves)):
+                self.ll.llama_memory_seq_cp(self.memory, base, base + s, -1, -1)
+            self.live[slot] = max(self.live[slot], len(leaves))
+        root = tuple(range(base, base + len(leaves)))
         return [root] + [tuple(b) for b in below], [b[0] for b in below]
 
-    def _decode(self, rows: list[tuple[int, int, tuple[int, ...], bool]]) -> None:
-        """One llama_decode of (token, position, sequences, logits?) rows."""
+    def _pass(self, rows: list[Row]) -> np.ndarray | None:
+        """Decode rows; the logits of those that want them, [rows with logits, V] (None if none):
+        at once with one slot, else in a pass the batcher gathers with other streams' rows."""
+        if self.batcher:
+            return self.batcher.submit(rows)
+        job = _Pass(rows)
+        self._run([job])
+        return job.logits
+
+    def _run(self, jobs: list[_Pass]) -> None:
+        """One llama_decode of every job's rows; each job gets a copy of its own logits."""
         b = self.batch
-        b.n_tokens = len(rows)
-        for i, (token, pos, seqs, logits) in enumerate(rows):
-            b.token[i] = token
-            b.pos[i] = pos
-            b.n_seq_id[i] = len(seqs)
-            ids = b.seq_id[i]
-            for j, s in enumerate(seqs):
-                ids[j] = s
-            b.logits[i] = logits
-        rc = self.ll.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise StarsdError(f"llama_decode failed ({rc}) on {len(rows)} tokens")
+        with self.lock:
+            i = 0
+            for job in jobs:
+                for token, pos, seqs, logits in job.rows:
+                    b.token[i] = token
+                    b.pos[i] = pos
+                    b.n_seq_id[i] = len(seqs)
+                    ids = b.seq_id[i]
+                    for j, s in enumerate(seqs):
+                        ids[j] = s
+                    b.logits[i] = logits
+                    i += 1
+            b.n_tokens = i
+            rc = self.ll.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise StarsdError(f"llama_decode failed ({rc}) on {i} tokens")
+            wanted = sum(row[3] for job in jobs for row in job.rows)
+            if not wanted:
+                return
+            out = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(wanted, self.width))
+            at = 0
+            for job in jobs:
+                k = sum(row[3] for row in job.rows)
+                if k:
+                    job.logits = out[at:at + k].copy()
+                at += k
 
     def _room(self, tokens: int) -> None:
         if tokens > self.max_context:
@@ -251,5 +403,31 @@ class LlamaCppTarget:
                               "(--target-context)")
 
     def _own(self, seq: LlamaSequence) -> None:
-        if seq.epoch != self.epoch:
-            raise RuntimeError("this llama.cpp context has started another stream since")
+        if seq.epoch != self.epochs[seq.slot]:
+            raise RuntimeError("this llama.cpp slot has started another stream since")
+
+
+class LlamaCppSlot:
+    """One slot of a LlamaCppTarget, with the target interface: its streams' start, score and commit,
+    and end() when a stream is over."""
+
+    device = LlamaCppTarget.device
+    engine = LlamaCppTarget.engine
+
+    def __init__(self, target: LlamaCppTarget, slot: int):
+        self.target = target
+        self.slot = slot
+        self.width = target.width
+        self.max_context = target.max_context
+
+    def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None) -> LlamaSequence:
+        return self.target.start(prompt_ids, taps, self.slot)
+
+    def score(self, seq: LlamaSequence, tree: DraftTree, taps: tuple[int, ...] | None = None) -> torch.Tensor:
+        return self.target.score(seq, tree, taps)
+
+    def commit(self, seq: LlamaSequence, verdict: Verdict) -> None:
+        self.target.commit(seq, verdict)
+
+    def end(self) -> None:
+        self.target.end(self.slot)

@@ -39,7 +39,7 @@ class Pair:
             generation = generation_config(target_cfg.path, cache)
         else:
             model = load_model(target_cfg, cache)
-            target, generation = TargetModel(model), model.generation_config
+            target, generation = TargetModel(model, streams=target_cfg.streams), model.generation_config
         drafter = None
         if eagle is not None:
             drafter = Drafter(load_eagle(eagle, target_cfg, cache, target.model))

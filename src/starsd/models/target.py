@@ -19,6 +19,7 @@ last hidden state, or the outputs of some layers side by side): `start` and `sco
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -48,9 +49,11 @@ class TargetModel:
 
     engine = "transformers"
 
-    def __init__(self, model: torch.nn.Module, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: torch.nn.Module, prefill_chunk: int = PREFILL_CHUNK, streams: int = 1):
         self.model = model
         self.prefill_chunk = prefill_chunk
+        lock = threading.Lock()
+        self.slots = [TargetSlot(self, lock) for _ in range(streams)]  # one per stream served at once
 
     @property
     def device(self) -> torch.device:
@@ -109,6 +112,35 @@ class TargetModel:
         seq.cache.cut(root + 1 + len(verdict.path))
         seq.tokens.extend(verdict.tokens)
         seq.scored = 0
+
+
+class TargetSlot:
+    """One of the streams a TargetModel serves at once, with the target interface, each driven by a
+    thread of its own: their passes take turns under one lock (this engine does not batch streams;
+    each stream's sequence holds its own cache)."""
+
+    def __init__(self, target: TargetModel, lock: threading.Lock):
+        self.target = target
+        self.lock = lock
+        self.engine = target.engine
+        self.device = target.device
+        self.width = target.width
+        self.max_context = target.max_context
+
+    def start(self, prompt_ids: list[int], taps: tuple[int, ...] | None = None) -> TargetSequence:
+        with self.lock:
+            return self.target.start(prompt_ids, taps)
+
+    def score(self, seq: TargetSequence, tree: DraftTree, taps: tuple[int, ...] | None = None) -> torch.Tensor:
+        with self.lock:
+            return self.target.score(seq, tree, taps)
+
+    def commit(self, seq: TargetSequence, verdict: Verdict) -> None:
+        with self.lock:
+            self.target.commit(seq, verdict)
+
+    def end(self) -> None:
+        """Nothing to free: a stream's cache goes with its sequence."""
 
 
 def _features(out, taps: tuple[int, ...] | None) -> torch.Tensor | None:

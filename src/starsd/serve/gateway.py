@@ -2,8 +2,9 @@
 
 /v1/completions and /v1/chat/completions (plain, or `stream: true` as server-sent events),
 /v1/models, /health and /metrics (Prometheus: the gateway's own figures and the draft server's).
-Each request goes to an idle target server through the Pool; the targets do the tokenising, the
-chat template, decoding and stop strings, and send back text one target step at a time.
+Each request goes to a target server with a free stream slot through the Pool; the targets do the
+tokenising, the chat template, decoding and stop strings, and send back text one target step at a
+time.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def draft_server_snapshots(addresses: str, keys: ClientKeys = ClientKeys()) -> l
 
 class Gateway:
     """The routes' work. One request's path: parse and check it (ApiError on anything wrong), take
-    an idle target from the Pool (or wait, or 503), relay its Outputs whole or as SSE chunks, and
-    count what happened in the metrics."""
+    a free stream slot of a target from the Pool (or wait, or 503), relay its Outputs whole or as
+    SSE chunks, and count what happened in the metrics."""
 
     def __init__(self, cfg: GatewayConfig, restarts: Callable[[], dict[str, int]] | None = None):
         """`restarts`: a local star's restart counts by kind of process, for /metrics."""

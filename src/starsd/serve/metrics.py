@@ -135,11 +135,11 @@ class TargetCollector:
                            ("steps", "target forward passes after the prefill"),
                            ("drafts", "steps that verified a draft"), ("draft_tokens", "drafted tokens verified"),
                            ("accepted_tokens", "drafted tokens accepted"),
-                           ("busy_seconds", "seconds spent serving streams")):
+                           ("busy_seconds", "seconds spent serving streams, summed over the streams")):
             family = CounterMetricFamily(f"starsd:target_{key}", help_, labels=labels)
             family.add_metric([c["name"]], c[key])
             yield family
-        running = GaugeMetricFamily("starsd:target_stream_running", "1 while a stream is served", labels=labels)
+        running = GaugeMetricFamily("starsd:target_streams_running", "streams being served now", labels=labels)
         running.add_metric([c["name"]], float(c["running"]))
         yield running
 

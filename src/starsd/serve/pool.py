@@ -1,9 +1,11 @@
 """The gateway's targets: one ZeroMQ link per target server, and the routing of streams to them.
 
-Each request goes to an idle target. When every target is busy it waits in a bounded queue (FIFO);
-past the bound it is refused at once (Overloaded, an HTTP 503). A stream whose consumer goes away
-(the HTTP client disconnected) sends Cancel; its target returns to the pool only once it has said
-the stream is over, so a target never holds two streams.
+Each request goes to a target with a free stream slot (a target server serves as many streams at
+once as its description says: --target-streams), the one with the most free slots. When no target
+has one it waits in a bounded queue (FIFO); past the bound it is refused at once (Overloaded, an
+HTTP 503). A stream whose consumer goes away (the HTTP client disconnected) sends Cancel; its slot
+returns to the pool only once the target has said the stream is over, so a target never holds more
+streams than it serves at once.
 
 A target whose connection drops (its process died: the socket monitor reports the disconnect) is
 taken out of service at once, and the stream it held fails with `target_lost`; when a target
@@ -129,6 +131,11 @@ class TargetLink:
     def name(self) -> str:
         return self.info.name if self.info else self.address
 
+    @property
+    def slots(self) -> int:
+        """Streams the target serves at once."""
+        return self.info.streams if self.info else 1
+
     def watch(self, on_change) -> None:
         """Call on_change(self, up) when the connection drops (up False) and when a target server
         completes a handshake at the address after a drop (up True)."""
@@ -156,34 +163,43 @@ class TargetLink:
 
 
 class IdleTargets:
-    """The targets that hold no stream, each at most once, oldest first, and the requests waiting
-    for one, first come first served."""
+    """The targets' free stream slots, at most as many for each as it serves at once, and the
+    requests waiting for one, first come first served."""
 
     def __init__(self):
-        self._links: dict[TargetLink, None] = {}  # an ordered set
+        self._free: dict[TargetLink, int] = {}  # free slots, in the order targets came (a tie goes to the first)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
 
     def __len__(self) -> int:
-        return len(self._links)
+        """Free slots in all."""
+        return sum(self._free.values())
 
     def put(self, link: TargetLink) -> None:
-        """`link` takes a request: the oldest waiting one, else it waits here (once, however often it is put)."""
-        if link in self._links:
+        """One of `link`'s slots takes a request: the oldest waiting one, else it waits here (never
+        more of them than the target serves at once, however often it is put)."""
+        if self._free.get(link, 0) >= link.slots:
             return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(link)
                 return
-        self._links[link] = None
+        self._free[link] = self._free.get(link, 0) + 1
+
+    def fill(self, link: TargetLink) -> None:
+        """Every slot of `link` is free (it holds no stream)."""
+        for _ in range(link.slots):
+            self.put(link)
 
     def discard(self, link: TargetLink) -> None:
-        self._links.pop(link, None)
+        self._free.pop(link, None)
 
     async def get(self) -> TargetLink:
-        if self._links:
-            link = next(iter(self._links))
-            del self._links[link]
+        if self._free:
+            link = max(self._free, key=self._free.__getitem__)  # the least loaded
+            self._free[link] -= 1
+            if not self._free[link]:
+                del self._free[link]
             return link
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -215,7 +231,7 @@ class Pool:
         """Wait until every target has described itself; they then all take requests."""
         await asyncio.gather(*(link.describe(timeout_s) for link in self.links))
         for link in self.links:
-            self.idle.put(link)
+            self.idle.fill(link)
             link.watch(self._changed)
 
     @property
@@ -236,13 +252,13 @@ class Pool:
         self.ctx.term()
 
     async def acquire(self) -> tuple[TargetLink, float]:
-        """An idle target and the seconds waited for it. Raises Overloaded."""
+        """A target's free stream slot and the seconds waited for it. Raises Overloaded."""
         if len(self.failed) == len(self.links):
             raise Overloaded(f"no target is in service (all {len(self.links)} stopped answering; they are asked "
                              "again and rejoin when they answer)")
         if not len(self.idle) and self.waiting >= self.max_queue:
-            raise Overloaded(f"all {len(self.links) - len(self.failed)} targets are busy and {self.waiting} "
-                             f"requests are waiting (--max-queue {self.max_queue}); retry later")
+            raise Overloaded(f"every stream slot of the {len(self.links) - len(self.failed)} targets in service is "
+                             f"busy and {self.waiting} requests are waiting (--max-queue {self.max_queue}); retry later")
         t0 = time.perf_counter()
         self.waiting += 1
         try:
@@ -343,7 +359,7 @@ class Pool:
                     continue
                 if not info.busy:
                     self.failed.remove(link)
-                    self.idle.put(link)
+                    self.idle.fill(link)
                     log.info("target %s at %s is back in service", link.name, link.address)
                     return
                 await asyncio.sleep(self.BUSY_POLL_S)

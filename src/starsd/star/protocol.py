@@ -182,6 +182,7 @@ class TargetInfo(msgspec.Struct, array_like=True, frozen=True):
     speculative: bool  # drafts through a draft server (False: decodes alone)
     busy: bool  # a stream is running now
     max_tokens: int = MAX_TOKENS_PER_REQUEST  # tokens one Generate may ask for; a gateway checks it before sending
+    streams: int = 1  # streams it serves at once: a gateway sends it at most this many
 
 
 class Message(msgspec.Struct, array_like=True, frozen=True):

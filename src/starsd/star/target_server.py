@@ -1,16 +1,23 @@
 """A target server: a target worker that takes generation requests for as long as it runs.
 
-It loads the target once, opens one session with the draft server, binds a ROUTER socket and
-serves Generate requests one stream at a time (as in the paper): each stream is a reset of its
-draft session, and every target step goes back at once as an Output (text delta and the step's
-draft figures), so a gateway can stream tokens as they are accepted. Between steps it reads its
-socket: a Cancel ends the stream after the step in progress, a Describe is answered, and another
-Generate is refused as busy. One depth policy serves every stream, so what it learns carries over.
+It loads the target once and serves up to `streams` Generate requests at once (--target-streams;
+one, as in the paper, by default), each on a slot of the target (models/llamacpp.py: llama.cpp
+verifies the slots' drafts together, one batched pass a step) driven by a worker thread of its own,
+with a draft session of its own. A stream is a reset of its slot's draft session, and every target
+step goes back at once as an Output (text delta and the step's draft figures), so a gateway can
+stream tokens as they are accepted.
+
+The main thread owns the ROUTER socket: it answers Describe and Ping at once, hands a Generate to
+a free slot (or refuses it as busy when every slot holds a stream), marks a Cancel for its stream
+(which ends after the step in progress), and sends what the workers put on an inproc socket. Each
+slot keeps one depth policy over its streams, so what it learns carries over.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import queue
 import threading
 import time
 
@@ -30,28 +37,45 @@ from starsd.star.textstream import TextStream
 log = logging.getLogger("starsd.target")
 
 
+class Slot:
+    """One stream at a time: the target's slot, its drafter and depth policy, and the stream it runs."""
+
+    def __init__(self, index: int, target, client: DraftClient | None, depth: int):
+        self.index = index
+        self.target = target  # the target interface, for this slot's streams
+        self.client = client
+        self.drafter = RemoteDrafter(client) if client else None
+        self.policy = DepthPolicy(depth)
+        self.requests: queue.Queue = queue.Queue()  # (peer, Generate): at most one, while stream is set
+        self.stream: int | None = None  # the id of the stream it runs; set and cleared by the main thread
+
+
 class TargetServer:
-    def __init__(self, pair: Pair, bind: str, client: DraftClient | None, draft: DraftConfig, name: str,
+    def __init__(self, pair: Pair, bind: str, clients: list[DraftClient] | None, draft: DraftConfig, name: str,
                  model: str, insecure: bool = False, keys: ServingKeys = ServingKeys()):
-        """client None: decode alone (target-only serving, the baseline). With `keys`, only gateways
-        with an allowed key reach it; without, it listens on loopback only, unless `insecure`
-        (star/security.py)."""
+        """`clients`: one draft session for each of the target's slots (pair.target.slots), or None to
+        decode alone (target-only serving, the baseline). With `keys`, only gateways with an allowed
+        key reach it; without, it listens on loopback only, unless `insecure` (star/security.py)."""
+        targets = pair.target.slots
+        if clients is not None and len(clients) != len(targets):
+            raise ValueError(f"{len(targets)} slots need as many draft sessions, not {len(clients)}")
         self.pair = pair
         self.bind = bind
         self.insecure = insecure
         self.keys = keys
-        self.client = client
         self.draft = draft
-        self.drafter = RemoteDrafter(client) if client else None
-        self.policy = DepthPolicy(draft.depth)
+        self.slots = [Slot(i, t, clients[i] if clients else None, draft.depth) for i, t in enumerate(targets)]
+        self.speculative = clients is not None
         self.name = name
         self.model = model
         self.max_context = pair.target.max_context
         self.stopping = threading.Event()
+        self._cancelled: set[int] = set()  # streams a Cancel named: each ends after its step in progress
         self._counters = {"name": name, "streams": 0, "tokens": 0, "steps": 0, "drafts": 0, "draft_tokens": 0,
-                          "accepted_tokens": 0, "busy_seconds": 0.0, "running": False}
+                          "accepted_tokens": 0, "busy_seconds": 0.0, "running": 0}
         self._lock = threading.Lock()  # the counters are read by the metrics thread
         self.ctx = zmq.Context()  # its own: a context holds one ZAP authenticator, and a process may hold several servers
+        self.outbox = f"inproc://target-outbox-{id(self)}"  # the workers' messages, for the main thread to send
         self.sock: zmq.Socket | None = None
         self._auth = None  # the ZAP authenticator, with keys
 
@@ -60,22 +84,42 @@ class TargetServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        outbox = self.ctx.socket(zmq.PULL)
+        outbox.bind(self.outbox)
+        workers: list[threading.Thread] = []
         try:
-            self._auth = security.guard_server(self.ctx, self.sock, self.bind, self.keys.serve_key,
-                                               self.keys.serve_clients, self.insecure)
-            self.sock.bind(self.bind)
-        except zmq.ZMQError as e:
-            raise Unavailable(f"cannot bind {self.bind}: {e}") from None
-        if self.drafter and self.draft.adaptive:
-            log.info("%s: verify costs by width (ms): %s", self.name, measure_verify(self.pair.target, self.policy))
-        if on_ready:
-            on_ready()
-        log.info("target server %s (%s) listening on %s", self.name, self.model, self.bind)
-        try:
+            try:
+                self._auth = security.guard_server(self.ctx, self.sock, self.bind, self.keys.serve_key,
+                                                   self.keys.serve_clients, self.insecure)
+                self.sock.bind(self.bind)
+            except zmq.ZMQError as e:
+                raise Unavailable(f"cannot bind {self.bind}: {e}") from None
+            self._measure()
+            workers = [threading.Thread(target=self._work, args=(slot,), name=f"stream-{slot.index}", daemon=True)
+                       for slot in self.slots]
+            for w in workers:
+                w.start()
+            if on_ready:
+                on_ready()
+            log.info("target server %s (%s, %d stream%s at once) listening on %s", self.name, self.model,
+                     len(self.slots), "s" if len(self.slots) > 1 else "", self.bind)
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(outbox, zmq.POLLIN)
             while not self.stopping.is_set():
-                if self.sock.poll(100):
-                    self._handle(*self._receive(), busy=False)
+                ready = dict(poller.poll(100))
+                if outbox in ready:
+                    while outbox.poll(0):
+                        self._forward(outbox.recv_multipart())
+                if self.sock in ready:
+                    self._handle(*self._receive())
         finally:
+            self.stopping.set()
+            for w in workers:
+                w.join()
+            while outbox.poll(0):  # the streams' last words
+                self._forward(outbox.recv_multipart())
+            outbox.close(0)
             self.sock.close(0)
             if self._auth:
                 self._auth.stop()
@@ -93,12 +137,21 @@ class TargetServer:
             for key, n in add.items():
                 self._counters[key] += n
 
-    def _set_running(self, running: bool) -> None:
-        with self._lock:
-            self._counters["running"] = running
+    def info(self) -> P.TargetInfo:
+        busy = any(slot.stream is not None for slot in self.slots)
+        return P.TargetInfo(self.name, self.model, self.max_context, self.speculative, busy, streams=len(self.slots))
 
-    def info(self, busy: bool) -> P.TargetInfo:
-        return P.TargetInfo(self.name, self.model, self.max_context, self.drafter is not None, busy)
+    def _measure(self) -> None:
+        """The verify costs the depth policies start from, measured on the first slot alone."""
+        if not (self.speculative and self.draft.adaptive):
+            return
+        first = self.slots[0]
+        log.info("%s: verify costs by width (ms): %s", self.name, measure_verify(first.target, first.policy))
+        first.target.end()
+        for slot in self.slots[1:]:
+            slot.policy.verify_ms = copy.deepcopy(first.policy.verify_ms)
+
+    # the main thread: the socket
 
     def _receive(self):
         """(peer, message or None): a malformed message is answered here and gives None."""
@@ -110,53 +163,84 @@ class TargetServer:
             return peer.bytes, None
         return peer.bytes, msg
 
-    def _handle(self, peer: bytes, msg, busy: bool) -> int | None:
-        """Answer one message; returns the id a Cancel names (the caller decides what it ends)."""
+    def _handle(self, peer: bytes, msg) -> None:
         if msg is None:
-            return None
+            return
         if isinstance(msg, P.Describe):
-            self._send(peer, self.info(busy))
+            self._send(peer, self.info())
         elif isinstance(msg, P.Ping):
             self._send(peer, P.Pong(msg.tag, msg.sent))
         elif isinstance(msg, P.Cancel):
-            return msg.id
+            if any(slot.stream == msg.id for slot in self.slots):
+                self._cancelled.add(msg.id)
         elif isinstance(msg, P.Generate):
-            if busy:
-                self._send(peer, P.Error("busy", f"{self.name} is serving another stream", msg.id))
+            free = next((slot for slot in self.slots if slot.stream is None), None)
+            if free is None:
+                n = len(self.slots)
+                self._send(peer, P.Error("busy", f"{self.name} is serving {n} stream{'s' if n > 1 else ''}, "
+                                         "as many as it serves at once", msg.id))
             else:
-                self._stream(peer, msg)
+                free.stream = msg.id
+                free.requests.put((peer, msg))
         else:
             self._send(peer, P.Error("unexpected", f"{type(msg).__name__} is not a request to a target", 0))
-        return None
 
-    def _cancelled(self, stream_id: int) -> bool:
-        """Read what arrived during a step; True if it cancels this stream."""
-        cancelled = False
-        while self.sock.poll(0):
-            cancelled |= self._handle(*self._receive(), busy=True) == stream_id
-        return cancelled or self.stopping.is_set()
+    def _forward(self, frames: list[bytes]) -> None:
+        """Send a worker's message on; its stream's last one frees the slot first."""
+        index, final, peer, *msg = frames
+        if final:
+            slot = self.slots[index[0]]
+            self._cancelled.discard(slot.stream)
+            slot.stream = None
+        self.sock.send_multipart([peer, *msg])
 
-    def _stream(self, peer: bytes, req: P.Generate) -> None:
-        tokenizer = self.pair.tokenizer
+    def _send(self, peer: bytes, msg) -> None:
+        self.sock.send_multipart([peer, *P.encode(msg)])
+
+    # the workers: one stream at a time each
+
+    def _work(self, slot: Slot) -> None:
+        out = self.ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, -1)
+        out.connect(self.outbox)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    peer, req = slot.requests.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+
+                def send(msg, final: bool = False) -> None:
+                    out.send_multipart([bytes([slot.index]), b"1" if final else b"", peer, *P.encode(msg)])
+
+                try:
+                    self._stream(slot, req, send)
+                finally:
+                    slot.target.end()
+        finally:
+            out.close()
+
+    def _stream(self, slot: Slot, req: P.Generate, send) -> None:
+        """Run one stream on `slot`, sending each step's Output; its last message says final."""
         try:
             ids = self._encode(req)
         except ValueError as e:
-            return self._send(peer, P.Error("bad_request", str(e), req.id))
+            return send(P.Error("bad_request", str(e), req.id), final=True)
         if len(ids) + req.max_tokens > self.max_context:
-            return self._send(peer, P.Error("context_length", f"the prompt ({len(ids)} tokens) plus max_tokens "
-                                            f"({req.max_tokens}) exceed the context of {self.max_context}", req.id))
+            return send(P.Error("context_length", f"the prompt ({len(ids)} tokens) plus max_tokens "
+                                f"({req.max_tokens}) exceed the context of {self.max_context}", req.id), final=True)
         eos = frozenset() if req.ignore_eos else self.pair.eos_ids
-        if self.drafter and req.speculate:
-            steps = speculative_steps(self.pair.target, self.drafter, ids, req.max_tokens, self.draft, req.sampling,
-                                      eos, self.policy)
+        if slot.drafter and req.speculate:
+            steps = speculative_steps(slot.target, slot.drafter, ids, req.max_tokens, self.draft, req.sampling,
+                                      eos, slot.policy)
         else:
-            steps = target_only_steps(self.pair.target, ids, req.max_tokens, req.sampling, eos)
-        text = TextStream(tokenizer, req.stop)
+            steps = target_only_steps(slot.target, ids, req.max_tokens, req.sampling, eos)
+        text = TextStream(self.pair.tokenizer, req.stop)
         produced = 0
         prompt_tokens = len(ids)
         started = time.perf_counter()
-        self._count(streams=1)
-        self._set_running(True)
+        self._count(streams=1, running=1)
+        finish = ""
         try:
             for step in steps:
                 produced += len(step.tokens)
@@ -167,24 +251,24 @@ class TargetServer:
                     finish = "stop"
                 elif produced >= req.max_tokens:
                     finish = "length"
-                elif self._cancelled(req.id):
+                elif req.id in self._cancelled or self.stopping.is_set():
                     finish = "cancelled"
-                else:
-                    finish = ""
                 if finish and not stopped:
                     delta += text.flush()
-                self._send(peer, P.Output(req.id, delta, len(step.tokens), step.depth, step.accepted, finish,
-                                          prompt_tokens))
+                send(P.Output(req.id, delta, len(step.tokens), step.depth, step.accepted, finish, prompt_tokens),
+                     final=bool(finish))
                 prompt_tokens = 0
                 if finish:
                     return
         except Exception as e:  # a failed stream is reported to its sender; the server goes on
             log.exception("stream %d failed", req.id)
-            self._send(peer, P.Error("internal", f"generation failed: {e}"[:500], req.id))
+            finish = "error"
+            send(P.Error("internal", f"generation failed: {e}"[:500], req.id), final=True)
         finally:
             steps.close()
-            self._count(busy_seconds=time.perf_counter() - started)
-            self._set_running(False)
+            if not finish:  # a stream that yielded no step (it cannot, with max_tokens >= 1): still ended
+                send(P.Error("internal", "the stream ended without a step", req.id), final=True)
+            self._count(busy_seconds=time.perf_counter() - started, running=-1)
 
     def _encode(self, req: P.Generate) -> list[int]:
         tokenizer = self.pair.tokenizer
@@ -200,6 +284,3 @@ class TargetServer:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed to condition on")
         return list(ids)
-
-    def _send(self, peer: bytes, msg) -> None:
-        self.sock.send_multipart([peer, *P.encode(msg)])
