@@ -1,0 +1,36 @@
+"""`starsd bench streams` end to end on a tiny GGUF: one llama.cpp target server given S requests at
+once, served one at a time and together, against the bound from the engine's batched pass cost."""
+
+import json
+import os
+
+import pytest
+
+from gguf_tiny import EOS_TOKEN_IDS, write_tiny_qwen2_gguf
+from starsd import cli
+from starsd.models.pinned import convert_gguf
+
+if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is a failure there
+    pytest.importorskip("llama_cpp")
+
+
+def test_bench_streams_serves_the_requests_both_ways_and_compares_them(tmp_path):
+    gguf = tmp_path / "src" / "model.gguf"
+    gguf.parent.mkdir()
+    write_tiny_qwen2_gguf(gguf, seed=3, context=2048)
+    model = tmp_path / "model"
+    convert_gguf(gguf, model, EOS_TOKEN_IDS)
+    gguf.rename(model / "model.gguf")
+    out = tmp_path / "streams.json"
+    code = cli.main(["bench", "streams", "--streams", "2", "--max-tokens", "16", "--rounds", "1", "--prompts",
+                     "humaneval", "--offset", "0", "--target", str(model), "--target-context", "1024",
+                     "--json-out", str(out)])
+    result = json.loads(out.read_text())
+    modes = result["modes"]
+    assert set(modes) == {"one at a time", "together"}
+    assert all(m["tokens_per_s"] > 0 and len(m["runs"]) == 1 for m in modes.values())
+    assert all(run["tokens"] == 2 * 16 for m in modes.values() for run in m["runs"])  # ignore_eos: every token
+    assert {"1 x 1", "2 x 1", "2 x 4"} <= set(result["pass_ms"]) and result["bound_tokens_per_s"] > 0
+    assert modes["one at a time"]["equal_share"] == 1.0  # its own first round is the reference
+    assert all(d.get("near_tie", True) for d in result["divergences"]) and code == 0
+    assert (tmp_path / "streams.png").stat().st_size > 0
