@@ -205,3 +205,38 @@ def test_the_gateway_hands_out_free_slots_least_loaded_target_first():
         ctx.term()
 
     asyncio.run(scenario())
+
+
+def test_a_stream_in_a_shared_pass_is_charged_its_share_of_it(model_dir):
+    """The depth policy weighs a draft against decoding alone by what each costs the stream: in a
+    pass shared with other streams, its rows' part of the pass. Charged the whole pass, a stream
+    beside others found one-token passes dear (80 ms for two streams' rows) against the two-token
+    pass it had measured alone (79 ms), and had its co-hosted draft server ingest prompts for drafts
+    that could not pay."""
+    llama = LlamaCppTarget(model_dir / "model.gguf", threads=1, streams=2)
+    seqs = [llama.slots[i].start(list(range(5 + i, 40))) for i in range(2)]
+    barrier = threading.Barrier(2)
+
+    def one(i: int, width: int) -> None:
+        barrier.wait()
+        llama.slots[i].score(seqs[i], DraftTree.chain([7] * (width - 1)))
+
+    for _ in range(5):  # both asks within the batcher's gathering window: on a loaded machine, maybe not at once
+        before = llama.batcher.passes
+        threads = [threading.Thread(target=one, args=(i, w)) for i, w in ((0, 1), (1, 3))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if llama.batcher.passes == before + 1:  # one llama_decode of both streams' rows
+            break
+        for i in range(2):
+            llama.slots[i].commit(seqs[i], Verdict([], [9]))
+    assert llama.batcher.passes == before + 1
+    assert seqs[0].pass_ms > 0 and abs(seqs[1].pass_ms - 3 * seqs[0].pass_ms) < 1e-6 * seqs[1].pass_ms
+    llama.close()
+    alone = LlamaCppTarget(model_dir / "model.gguf", threads=1)
+    seq = alone.start(list(range(5, 40)))
+    alone.score(seq, DraftTree.empty())
+    assert seq.pass_ms is None  # its own pass: the loop's clock is its cost
+    alone.close()

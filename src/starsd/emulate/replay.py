@@ -220,6 +220,7 @@ class ReplaySequence:
     position: int = 0  # continuation tokens committed so far
     recorded: torch.Tensor | None = None  # [positions, F]: the real target's features along prompt + continuation
     features: torch.Tensor | None = None  # those of the last pass, as TargetSequence.features
+    pass_ms: float | None = None  # its own share of its last scoring pass: None, all of it
 
 
 class ReplayTarget:

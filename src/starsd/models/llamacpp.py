@@ -113,6 +113,8 @@ class LlamaSequence:
     leaf_of: list[int] | None = None  # the last tree's: for each node, the sequence of a leaf below it
     features: None = None  # no features: EAGLE heads need the transformers engine
     epoch: int = 0  # which start() of its slot it belongs to
+    pass_ms: float | None = None  # with several slots: its share of its last scoring pass (its rows' part of
+    # the llama_decode's time), what a draft costs the stream when others' rows share the pass; None: alone
 
 
 @dataclass
@@ -122,6 +124,7 @@ class _Pass:
     rows: list[Row]
     done: threading.Event = field(default_factory=threading.Event)
     logits: np.ndarray | None = None  # [rows with logits, V]
+    ms: float = 0.0  # its rows' share of the llama_decode's time
     error: BaseException | None = None
 
 
@@ -146,8 +149,8 @@ class Batcher:
         self.thread = threading.Thread(target=self._loop, name="llamacpp-batcher", daemon=True)
         self.thread.start()
 
-    def submit(self, rows: list[Row]) -> np.ndarray | None:
-        job = _Pass(rows)
+    def submit(self, job: _Pass) -> None:
+        """Wait until `job` is decoded (its logits and share of the pass set), or raise its error."""
         with self.cond:
             self.waiting.append(job)
             self.asked += 1
@@ -155,7 +158,6 @@ class Batcher:
         job.done.wait()
         if job.error is not None:
             raise job.error
-        return job.logits
 
     def opened(self, n: int) -> None:
         with self.cond:
@@ -292,9 +294,10 @@ class LlamaCppTarget:
         level = depths(tree.parents).tolist()
         rows = [(seq.tokens[-1], past, sets[0], True)]
         rows += [(int(t), past + level[i], sets[i + 1], True) for i, t in enumerate(tree.tokens.tolist())]
-        out = self._pass(rows)
+        job = self._pass(rows)
         seq.scored = n
-        return torch.from_numpy(out)
+        seq.pass_ms = job.ms if self.batcher else None
+        return torch.from_numpy(job.logits)
 
     def commit(self, seq: LlamaSequence, verdict: Verdict) -> None:
         """Keep the root and the accepted path in the base sequence; the last emitted token becomes pending."""
@@ -358,14 +361,14 @@ class LlamaCppTarget:
         root = tuple(range(base, base + len(leaves)))
         return [root] + [tuple(b) for b in below], [b[0] for b in below]
 
-    def _pass(self, rows: list[Row]) -> np.ndarray | None:
-        """Decode rows; the logits of those that want them, [rows with logits, V] (None if none):
-        at once with one slot, else in a pass the batcher gathers with other streams' rows."""
-        if self.batcher:
-            return self.batcher.submit(rows)
+    def _pass(self, rows: list[Row]) -> _Pass:
+        """Decode rows: at once with one slot, else in a pass the batcher gathers with other streams' rows."""
         job = _Pass(rows)
-        self._run([job])
-        return job.logits
+        if self.batcher:
+            self.batcher.submit(job)
+        else:
+            self._run([job])
+        return job
 
     def _run(self, jobs: list[_Pass]) -> None:
         """One llama_decode of every job's rows; each job gets a copy of its own logits."""
@@ -383,9 +386,13 @@ class LlamaCppTarget:
                     b.logits[i] = logits
                     i += 1
             b.n_tokens = i
+            t0 = time.perf_counter()
             rc = self.ll.llama_decode(self.ctx, b)
             if rc != 0:
                 raise StarsdError(f"llama_decode failed ({rc}) on {i} tokens")
+            ms = (time.perf_counter() - t0) * 1e3
+            for job in jobs:
+                job.ms = ms * len(job.rows) / i
             wanted = sum(row[3] for job in jobs for row in job.rows)
             if not wanted:
                 return

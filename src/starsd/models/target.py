@@ -41,6 +41,7 @@ class TargetSequence:
     scored: int = 0  # nodes of the last scored tree, still in the cache until commit
     features: torch.Tensor | None = field(default=None, repr=False)  # [rows of the last pass, F], if asked:
     # the prefill's (every prompt token's but the pending one's; None for none), or the root's and each node's
+    pass_ms: float | None = None  # its own share of its last scoring pass: None, all of it (passes are its own)
 
 
 class TargetModel:

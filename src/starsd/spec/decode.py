@@ -218,9 +218,9 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         t_verify = time.perf_counter()
         logits = target.score(seq, tree) if taps is None else target.score(seq, tree, taps)
         verdict = verify(tree, logits, sampling, verify_gen)
-        if policy:
-            policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1,
-                           (time.perf_counter() - t_verify) * 1e3, share)
+        if policy:  # a pass shared with other streams costs this one its share (models/llamacpp.py)
+            verify_ms = seq.pass_ms if seq.pass_ms is not None else (time.perf_counter() - t_verify) * 1e3
+            policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1, verify_ms, share)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         produced += len(emitted)
         yield Step(emitted, verdict.num_accepted, tree.depth(), depth or ahead, time.time())
