@@ -264,7 +264,6 @@ def args_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("target_extra", nargs=argparse.REMAINDER, help="after --: more flags for every target")
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.ServerConfig, skip=C.LOCAL_STAR_SKIPS)
-    p.set_defaults(threads=1)  # three or more processes share the cores
 
 
 def cmd_launch(args) -> int:
@@ -311,7 +310,6 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     C.add_flags(p, C.ServerConfig, skip=C.LOCAL_STAR_SKIPS)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
     C.add_flags(p, C.GatewayKeys)  # with --target-server: for target servers started with --serve-key
-    p.set_defaults(threads=1)  # three or more processes share the cores
 
 
 def cmd_serve(args) -> int:

@@ -116,8 +116,9 @@ class PairConfig:
     target_streams: int = setting(1, "a target server: streams it decodes at once, each with its own draft session; "
                                   "llama.cpp verifies them together, one batched pass a step, in one context of "
                                   "streams x --target-context tokens; transformers, one stream's pass at a time")
-    threads: int = setting(0, "torch CPU threads (0: torch's default, all cores; in a local star, `launch` or "
-                           "`serve`, an equal share of the cores for each of its processes)")
+    threads: int = setting(0, "CPU threads (0: all cores; in a local star, `launch` or `serve`, the target "
+                           "processes split the cores and each draft server takes all of them, taking turns with "
+                           "the targets on its host)")
 
     def __post_init__(self):
         if self.threads < 0:

@@ -42,9 +42,9 @@ def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: i
     `draft_servers`: K of them; target i connects to all, the (i mod K)th first (Star.connect)."""
     check_models(pair)
     k = draft_servers if spec else 0
-    pair = share_cores(pair, n + k)
+    pair, server_pair = share_cores(pair, n, k)
     server = dataclasses.replace(server, metrics_port=server.metrics_port or free_port())
-    star = start_server(pair, server, count=k) if spec else Star([], [])
+    star = start_server(server_pair, server, count=k) if spec else Star([], [])
     try:
         if spec:
             print(f"draft server{'s' if k > 1 else ''} up at {star.address}", file=sys.stderr, flush=True)

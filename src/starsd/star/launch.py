@@ -113,14 +113,20 @@ def check_models(pair: PairConfig) -> None:
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
-def share_cores(pair: PairConfig, processes: int) -> PairConfig:
-    """A local star's processes share this machine's cores: with `threads` left at 0, each of the
-    `processes` gets an equal share of them (at least one) instead of torch's default of all. Every
-    process at all of the cores makes each parallel pass wait for threads the others have taken
-    (measured on 2 cores: see docs/benchmarks.md). A `threads` given is kept."""
+def share_cores(pair: PairConfig, targets: int, servers: int) -> tuple[PairConfig, PairConfig]:
+    """A local star's settings for its target processes and for its draft servers, sharing this
+    machine's cores: with `threads` left at 0, the targets split the cores between them (at least one
+    each), and each draft server gets all of them. Two targets at all of the cores each make each
+    other's parallel passes wait for threads the other has taken; a draft server on a target's host
+    takes turns with it instead (the target asks no draft ahead, the server pre-drafts nothing while
+    it is connected: docs/benchmarks.md), so it idles while the targets compute, and a target whose
+    drafts do not pay keeps every core it was given (on 2 cores one target at one thread decoded at
+    0.55x of the same target at two). A `threads` given is kept for all."""
     if pair.threads or not pair.device.startswith("cpu"):
-        return pair
-    return dataclasses.replace(pair, threads=max(1, len(os.sched_getaffinity(0)) // processes))
+        return pair, pair
+    cores = len(os.sched_getaffinity(0))
+    return (dataclasses.replace(pair, threads=max(1, cores // targets)),
+            dataclasses.replace(pair, threads=cores) if servers else pair)
 
 
 def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,
@@ -198,7 +204,7 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
     per-target and system throughput, writes JSON and a bar plot; 130 when interrupted (Ctrl-C, SIGTERM)."""
     load_prompts(prompt_set)  # an unknown set is refused here, not in every target
     check_models(pair)
-    pair = share_cores(pair, n + draft_servers)
+    pair, server_pair = share_cores(pair, n, draft_servers)
     target_args = [*target_command(pair)[1:], "--prompts", prompt_set, "--max-new-tokens", str(max_new_tokens),
                    *target_extra]
     star = None
@@ -209,7 +215,7 @@ def run_local_star(pair: PairConfig, server: ServerConfig, n: int, prompt_set: s
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)  # also when started with SIGINT ignored (a background job inherits that)
     try:
-        star = start_server(pair, server, port=port, count=draft_servers)
+        star = start_server(server_pair, server, port=port, count=draft_servers)
         print(f"draft server{'s' if draft_servers > 1 else ''} up at {star.address}; starting {n} targets",
               file=sys.stderr, flush=True)
         results = run_targets(star, n, target_args, num_prompts)
