@@ -94,6 +94,12 @@ class Logits:
         return warp(self([path])[0], S)
 
 
+class MemoSequence(list):
+    """The committed tokens; its passes are its own (spec/decode.py reads pass_ms)."""
+
+    pass_ms = None
+
+
 class MemoTarget:
     """The tiny target, scoring a draft by looking up each of its rows by token path (Logits), so
     that thousands of generations cost the draft server's work and the wire's, not the target's;
@@ -105,9 +111,9 @@ class MemoTarget:
         self.prefill_s = PREFILL * round_trip_ms / 1e3
         self.verify_s = VERIFY * round_trip_ms / 1e3
 
-    def start(self, ids: list[int]) -> list[int]:
+    def start(self, ids: list[int]) -> MemoSequence:
         time.sleep(self.prefill_s)
-        return list(ids)
+        return MemoSequence(ids)
 
     def commit(self, seq: list[int], verdict) -> None:
         seq.extend(verdict.tokens)

@@ -3,7 +3,9 @@
 Both loops share the target's forward pass and the sampling code, so greedy speculative output can
 be compared token for token with target-only output. They work on interfaces, not on models:
 a target has `device`, `start`, `score` and `commit` (models.target.TargetModel, or a replay
-target); a drafter is a DraftSource (spec/drafting.py: models.drafter.Drafter in this process,
+target), and the sequence its `start` returns has `pass_ms`, the stream's share of its last
+scoring pass where the engine shares passes among streams (None: the pass was the stream's own,
+and the loop's clock tells its cost); a drafter is a DraftSource (spec/drafting.py: models.drafter.Drafter in this process,
 star.remote_drafter.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
 can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
 as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
