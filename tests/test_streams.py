@@ -240,3 +240,125 @@ def test_a_stream_in_a_shared_pass_is_charged_its_share_of_it(model_dir):
     alone.score(seq, DraftTree.empty())
     assert seq.pass_ms is None  # its own pass: the loop's clock is its cost
     alone.close()
+
+
+@pytest.fixture
+def two_stream_server():
+    """A target server of 2 streams on the tiny transformers target (decoding alone), in this
+    process, and a function that opens a DEALER to it."""
+    import zmq
+
+    from starsd.config import DraftConfig
+    from starsd.models.pair import Pair
+    from starsd.star.target_server import TargetServer
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pair = Pair(TargetModel(tiny.tiny_model(1), streams=2), None, tiny.char_tokenizer(), frozenset({0}))
+    server = TargetServer(pair, address, None, DraftConfig(), "t0", "tiny")
+    ready = threading.Event()
+    thread = threading.Thread(target=server.serve, kwargs={"on_ready": ready.set}, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    ctx = zmq.Context()
+    socks = []
+
+    def peer():
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        socks.append(sock)
+        return sock
+
+    yield server, peer
+    server.stop()
+    thread.join(30)
+    for sock in socks:
+        sock.close(0)
+    ctx.term()
+
+
+def generate(sock, stream_id: int, prompt: str, max_tokens: int) -> None:
+    from starsd.star import protocol as P
+
+    sock.send_multipart(P.encode(P.Generate(stream_id, prompt, None, max_tokens, P.SamplingConfig(), (), True)))
+
+
+def last_message(sock, timeout_s: float = 60):
+    """Read a stream's messages to its last: its final Output or an Error."""
+    from starsd.star import protocol as P
+
+    while True:
+        assert sock.poll(timeout_s * 1000), "no answer"
+        msg, _ = P.decode(sock.recv_multipart())
+        if isinstance(msg, P.Error) or msg.finish:
+            return msg
+
+
+def test_a_cancel_ends_the_stream_of_its_sender_only(two_stream_server):
+    """Stream ids are each sender's own: two gateways may both run a stream 5 on one target. A
+    Cancel of one ended both, and the first to end cleared the other's cancel."""
+    from starsd.star import protocol as P
+
+    server, peer = two_stream_server
+    a, b = peer(), peer()
+    generate(a, 5, "def f(x):", 1000)
+    generate(b, 5, "def g(y):", 300)
+    for sock in (a, b):  # both streams run
+        assert sock.poll(60_000)
+        sock.recv_multipart()
+    a.send_multipart(P.encode(P.Cancel(5)))
+    assert last_message(a).finish == "cancelled"
+    assert last_message(b).finish == "length"
+
+
+def test_a_stream_that_fails_outside_its_steps_frees_its_slot(two_stream_server, monkeypatch):
+    """An exception before a stream's steps (here: encoding its prompt) killed the slot's worker:
+    the slot stayed taken, or took requests nobody served. Now the stream gets an `internal` error
+    and the slot serves the next one."""
+    from starsd.star import protocol as P
+
+    server, peer = two_stream_server
+    encode = server._encode
+
+    def fails_on_boom(req):
+        if req.prompt == "boom":
+            raise RuntimeError("a tokenizer bug")
+        return encode(req)
+
+    monkeypatch.setattr(server, "_encode", fails_on_boom)
+    sock = peer()
+    for i in range(3):  # more failures than slots: every one must come back
+        generate(sock, 10 + i, "boom", 8)
+        error = last_message(sock)
+        assert isinstance(error, P.Error) and error.code == "internal" and error.tag == 10 + i
+    for i in range(2):
+        generate(sock, 20 + i, "def f(x):", 8)
+    assert [last_message(sock).finish for _ in range(2)] == ["length", "length"]
+    assert not server.info().busy
+
+
+def test_a_pass_that_fails_for_one_stream_fails_that_stream_only(model_dir):
+    """Two streams' rows in one llama_decode, one of them with a token outside the vocabulary:
+    llama.cpp refuses the whole batch. The stream whose rows were fine gets its logits."""
+    from starsd.errors import StarsdError
+
+    llama = LlamaCppTarget(model_dir / "model.gguf", threads=1, streams=2)
+    seqs = [llama.slots[i].start(list(range(5 + i, 30))) for i in range(2)]
+    barrier = threading.Barrier(2)
+    out: dict[int, object] = {}
+
+    def one(i: int, token: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = llama.slots[i].score(seqs[i], DraftTree.chain([token]))
+        except StarsdError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, t)) for i, t in ((0, 7), (1, len(VOCAB) + 50))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(out[0], torch.Tensor) and out[0].shape == (2, len(VOCAB))
+    assert isinstance(out[1], StarsdError)
+    llama.close()

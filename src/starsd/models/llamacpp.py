@@ -134,7 +134,8 @@ class Batcher:
     A pass starts as soon as every open stream has asked for one, or GATHER_S after the first ask,
     whichever comes first: a stream that is waiting for its draft, or sending its tokens, does not
     hold the others back for longer than that. Passes go in the order asked, as many as the
-    context's batch holds (the first always)."""
+    context's batch holds (the first always). A llama_decode that fails is tried again for each
+    stream alone, so that only the stream whose rows it refuses hears of it."""
 
     GATHER_S = 0.004
 
@@ -184,9 +185,15 @@ class Batcher:
             taken = self._take()
             try:
                 self.run(taken)
-            except BaseException as e:  # each stream that asked hears of it; the thread goes on
+            except BaseException as e:  # one stream's rows must not fail the others': each alone
                 for job in taken:
-                    job.error = e
+                    try:
+                        if len(taken) > 1:
+                            self.run([job])
+                        else:
+                            job.error = e
+                    except BaseException as alone:
+                        job.error = alone
             for job in taken:
                 job.done.set()
 

@@ -47,7 +47,8 @@ class Slot:
         self.drafter = RemoteDrafter(client) if client else None
         self.policy = DepthPolicy(depth)
         self.requests: queue.Queue = queue.Queue()  # (peer, Generate): at most one, while stream is set
-        self.stream: int | None = None  # the id of the stream it runs; set and cleared by the main thread
+        self.stream: tuple[bytes, int] | None = None  # (peer, id) of the stream it runs; set and cleared
+        # by the main thread (ids are the sender's: two gateways may each send a stream 5)
 
 
 class TargetServer:
@@ -70,7 +71,7 @@ class TargetServer:
         self.model = model
         self.max_context = pair.target.max_context
         self.stopping = threading.Event()
-        self._cancelled: set[int] = set()  # streams a Cancel named: each ends after its step in progress
+        self._cancelled: set[tuple[bytes, int]] = set()  # (peer, id) a Cancel named: it ends after its step
         self._counters = {"name": name, "streams": 0, "tokens": 0, "steps": 0, "drafts": 0, "draft_tokens": 0,
                           "accepted_tokens": 0, "busy_seconds": 0.0, "running": 0}
         self._lock = threading.Lock()  # the counters are read by the metrics thread
@@ -171,8 +172,8 @@ class TargetServer:
         elif isinstance(msg, P.Ping):
             self._send(peer, P.Pong(msg.tag, msg.sent))
         elif isinstance(msg, P.Cancel):
-            if any(slot.stream == msg.id for slot in self.slots):
-                self._cancelled.add(msg.id)
+            if any(slot.stream == (peer, msg.id) for slot in self.slots):
+                self._cancelled.add((peer, msg.id))
         elif isinstance(msg, P.Generate):
             free = next((slot for slot in self.slots if slot.stream is None), None)
             if free is None:
@@ -180,7 +181,7 @@ class TargetServer:
                 self._send(peer, P.Error("busy", f"{self.name} is serving {n} stream{'s' if n > 1 else ''}, "
                                          "as many as it serves at once", msg.id))
             else:
-                free.stream = msg.id
+                free.stream = (peer, msg.id)
                 free.requests.put((peer, msg))
         else:
             self._send(peer, P.Error("unexpected", f"{type(msg).__name__} is not a request to a target", 0))
@@ -209,19 +210,29 @@ class TargetServer:
                     peer, req = slot.requests.get(timeout=0.1)
                 except queue.Empty:
                     continue
+                ended = []
 
                 def send(msg, final: bool = False) -> None:
                     out.send_multipart([bytes([slot.index]), b"1" if final else b"", peer, *P.encode(msg)])
+                    if final:
+                        ended.append(True)
 
                 try:
-                    self._stream(slot, req, send)
+                    self._stream(slot, req, send, (peer, req.id))
+                    why = "it ended without a last step"
+                except Exception as e:  # a bug outside the steps: the stream ends, the slot serves on
+                    log.exception("stream %d failed", req.id)
+                    why = f"generation failed: {e}"
                 finally:
                     slot.target.end()
+                if not ended:  # the slot is freed by a stream's last message: there is always one
+                    send(P.Error("internal", why[:500], req.id), final=True)
         finally:
             out.close()
 
-    def _stream(self, slot: Slot, req: P.Generate, send) -> None:
-        """Run one stream on `slot`, sending each step's Output; its last message says final."""
+    def _stream(self, slot: Slot, req: P.Generate, send, key: tuple[bytes, int]) -> None:
+        """Run one stream on `slot`, sending each step's Output; its last message says final. `key`
+        is the stream's (peer, id), as a Cancel names it."""
         try:
             ids = self._encode(req)
         except ValueError as e:
@@ -251,7 +262,7 @@ class TargetServer:
                     finish = "stop"
                 elif produced >= req.max_tokens:
                     finish = "length"
-                elif req.id in self._cancelled or self.stopping.is_set():
+                elif key in self._cancelled or self.stopping.is_set():
                     finish = "cancelled"
                 if finish and not stopped:
                     delta += text.flush()
@@ -262,12 +273,9 @@ class TargetServer:
                     return
         except Exception as e:  # a failed stream is reported to its sender; the server goes on
             log.exception("stream %d failed", req.id)
-            finish = "error"
             send(P.Error("internal", f"generation failed: {e}"[:500], req.id), final=True)
         finally:
             steps.close()
-            if not finish:  # a stream that yielded no step (it cannot, with max_tokens >= 1): still ended
-                send(P.Error("internal", "the stream ended without a step", req.id), final=True)
             self._count(busy_seconds=time.perf_counter() - started, running=-1)
 
     def _encode(self, req: P.Generate) -> list[int]:
