@@ -110,3 +110,17 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0, tie_embeddings: bool = Fals
     w.write_tensors_to_file()
     w.close()
     return written
+
+
+def write_tiny_model_dir(root: Path, seed: int = 3, context: int = 2048) -> Path:
+    """A directory as a pinned target's: the tiny GGUF (root/model/model.gguf) beside its tokenizer
+    and its transformers conversion (a draft, or a reference). Returns the directory."""
+    from starsd.models.pinned import convert_gguf
+
+    gguf_path = root / "src" / "model.gguf"
+    gguf_path.parent.mkdir(parents=True)
+    write_tiny_qwen2_gguf(gguf_path, seed=seed, context=context)
+    model = root / "model"
+    convert_gguf(gguf_path, model, EOS_TOKEN_IDS)
+    gguf_path.rename(model / "model.gguf")
+    return model

@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from gguf_tiny import EOS_TOKEN_IDS, write_tiny_qwen2_gguf
+from gguf_tiny import write_tiny_model_dir
 from starsd import cli
-from starsd.models.pinned import convert_gguf
 
 if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is a failure there
     pytest.importorskip("llama_cpp")
@@ -18,12 +17,7 @@ if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is
 def test_bench_llamacpp_runs_every_mode_and_compares_outputs(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the one-core modes need two cores")
-    gguf = tmp_path / "src" / "model.gguf"
-    gguf.parent.mkdir()
-    write_tiny_qwen2_gguf(gguf, seed=3, context=2048)
-    model = tmp_path / "model"  # the tokenizer and the draft (transformers) beside the GGUF (the target)
-    convert_gguf(gguf, model, EOS_TOKEN_IDS)
-    gguf.rename(model / "model.gguf")
+    model = write_tiny_model_dir(tmp_path)  # the tokenizer and the draft (transformers) beside the GGUF (the target)
     out = tmp_path / "llamacpp.json"
     code = cli.main(["bench", "llamacpp", "--prompts", "humaneval", "--offset", "0", "--limit", "2",
                      "--max-new-tokens", "12", "--json-out", str(out), "--target", str(model), "--draft", str(model),

@@ -6,21 +6,15 @@ import os
 
 import pytest
 
-from gguf_tiny import EOS_TOKEN_IDS, write_tiny_qwen2_gguf
+from gguf_tiny import write_tiny_model_dir
 from starsd import cli
-from starsd.models.pinned import convert_gguf
 
 if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is a failure there
     pytest.importorskip("llama_cpp")
 
 
 def test_bench_streams_serves_the_requests_both_ways_and_compares_them(tmp_path):
-    gguf = tmp_path / "src" / "model.gguf"
-    gguf.parent.mkdir()
-    write_tiny_qwen2_gguf(gguf, seed=3, context=2048)
-    model = tmp_path / "model"
-    convert_gguf(gguf, model, EOS_TOKEN_IDS)
-    gguf.rename(model / "model.gguf")
+    model = write_tiny_model_dir(tmp_path)
     out = tmp_path / "streams.json"
     code = cli.main(["bench", "streams", "--streams", "2", "--max-tokens", "16", "--rounds", "1", "--prompts",
                      "humaneval", "--offset", "0", "--target", str(model), "--target-context", "1024",

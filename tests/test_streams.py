@@ -21,9 +21,8 @@ import pytest
 import torch
 
 import tiny
-from gguf_tiny import EOS_TOKEN_IDS, VOCAB, write_tiny_qwen2_gguf
+from gguf_tiny import VOCAB, write_tiny_model_dir
 from starsd.config import SamplingConfig
-from starsd.models.pinned import convert_gguf
 from starsd.models.target import TargetModel
 from starsd.spec.decode import target_only
 from starsd.spec.tree import DraftTree
@@ -44,14 +43,7 @@ STEPS = [([-1, 0, 1, 0, -1, 4, 4, 6], [4, 6, 7]), ([-1, 0, 1, 2], [0, 1]), ([-1,
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny GGUF with its tokenizer and a transformers copy beside it (the draft, and the reference)."""
-    root = tmp_path_factory.mktemp("streams")
-    gguf = root / "src" / "model.gguf"
-    gguf.parent.mkdir()
-    write_tiny_qwen2_gguf(gguf, seed=3, context=2048)
-    model = root / "model"
-    convert_gguf(gguf, model, EOS_TOKEN_IDS)
-    gguf.rename(model / "model.gguf")
-    return model
+    return write_tiny_model_dir(tmp_path_factory.mktemp("streams"))
 
 
 def run_steps(target, prompt: list[int], seed: int) -> list[torch.Tensor]:
