@@ -112,6 +112,9 @@ def cmd_generate(args) -> int:
 def args_draft_server(p: argparse.ArgumentParser) -> None:
     C.add_flags(p, C.PairConfig)  # --target: with --eagle, the head holds the target's embedding and LM head
     C.add_flags(p, C.ServerConfig)
+    p.add_argument("--recording", default="", help="answer from this recording of the draft model's drafts, each "
+                   "after its measured service time (emulate/draft_host.py: a draft host emulated beside a target "
+                   "that needs this machine's cores; benchmarks only)")
 
 
 def cmd_draft_server(args) -> int:
@@ -134,9 +137,15 @@ def cmd_draft_server(args) -> int:
     if pair.threads:
         torch.set_num_threads(pair.threads)
     drafter, tokenizer = load_drafter(pair)
+    if args.recording:
+        from starsd.emulate.draft_host import RecordedDrafter, Recording
+
+        drafter = RecordedDrafter(drafter.model, Recording.load(args.recording))
     width = logits_width(drafter.model)
     server = DraftServer(drafter, vocab_fingerprint(tokenizer, width), width, cfg,
-                         name=f"starsd-draft:{pair.eagle or pair.draft}")
+                         name=f"starsd-draft:{pair.eagle or pair.draft}{' (recorded)' if args.recording else ''}")
+    if args.recording:  # its warm-up drafts nothing it recorded: what a level costs, from the recording
+        server.stats.level(drafter.recording.cost.ms(1, 4), 4, 1)
     if server.cfg.metrics_port:
         from starsd.serve.metrics import DraftServerCollector, serve_metrics
 

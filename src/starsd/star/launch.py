@@ -130,17 +130,18 @@ def share_cores(pair: PairConfig, targets: int, servers: int) -> tuple[PairConfi
 
 
 def start_server(pair: PairConfig, server: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0,
-                 prefix: list[str] = (), stderr=None, count: int = 1) -> Star:
+                 prefix: list[str] = (), stderr=None, count: int = 1, extra: list[str] = ()) -> Star:
     """`count` draft-server processes, the first on tcp://host:port (port 0: a free one), the others on
     free ports, once all are ready; their logs go to `stderr` (a file; default: this process's
-    stderr). With a metrics port, the first serves its metrics there and the others on free ports."""
+    stderr). With a metrics port, the first serves its metrics there and the others on free ports.
+    `extra`: more of `starsd draft-server`'s arguments (not settings: --recording)."""
     star = Star([], [])
     try:
         for j in range(count):
             address = f"tcp://{host}:{port if port and not j else free_port()}"
             metrics = 0 if not server.metrics_port else server.metrics_port if not j else free_port()
             cfg = dataclasses.replace(server, bind=address, metrics_port=metrics)
-            star.servers.append(spawn(server_command(pair, cfg), prefix, stderr=stderr))
+            star.servers.append(spawn(server_command(pair, cfg) + list(extra), prefix, stderr=stderr))
             star.addresses.append(address)
             star.metrics_ports.append(metrics)
         for proc in star.servers:

@@ -1,0 +1,177 @@
+"""An emulated draft host: a draft server whose drafts come from a recording of the real draft model,
+each after the real server's measured service time, on a machine whose cores the target needs.
+
+The target of `bench llamacpp` runs on both of this machine's cores, as on a host of its own; a real
+draft server beside it would take them. So the draft host is emulated the way replay targets
+emulate target hosts (emulate/replay.py), on the other side of the star:
+
+- `record` drafts, with the real drafter, from every prefix of each prompt's target-only greedy output:
+  the chain a request at that point gets (the server's chain rule, DraftConfig's depth and
+  min_path_prob) and each level's runner-up (pre-drafting uses them, star/ahead.py), and times every
+  draft. A greedy target's accepted tokens are always a prefix of its target-only output (lossless),
+  so every request a star of this target makes starts at a recorded prefix, whatever depth its policy
+  asks for (a shallower chain is a prefix of the recorded one: the chain rule stops at a level, never
+  skips one).
+- `RecordedDrafter` answers a draft from the recording and sleeps what the real drafter took, by a
+  cost fitted to the recorded timings (`Cost`: a fixed part, a part per ingested token, a part per
+  drafted level). It yields between levels to a request, as the real drafter does. A context not
+  on the recording (a pre-draft of an outcome that did not happen, or a stream that left its
+  target-only output at a near-tie) gets an empty draft after the cost of the levels it asked for,
+  and is counted (`misses`).
+- `starsd draft-server --recording FILE` serves it: the real server (protocol, sessions, batching,
+  pre-drafting, transport) around the recorded drafter.
+
+The emulation's errors: a batch of several streams is charged each level once per stream (the
+recording times one stream; a real batch costs less), so use it at one stream per server; everything
+the server does besides drafting runs for real, on the target's cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from starsd.config import DraftConfig, SamplingConfig
+from starsd.models.drafter import DraftJob, Drafter, DraftSequence
+from starsd.models.kv import KV
+from starsd.spec.tree import DraftTree
+
+
+def _key(tokens: list[int]) -> str:
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int32).tobytes(), digest_size=12).hexdigest()
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the real drafter took for one draft of one stream (ms): `fixed` + `per_token` x (tokens
+    ingested - 1) + `per_level` x levels drafted, fitted by least squares to the recorded drafts."""
+
+    fixed: float
+    per_token: float
+    per_level: float
+    source: str = ""
+
+    def ms(self, ingested: int, levels: int) -> float:
+        return max(0.0, self.fixed + self.per_token * max(0, ingested - 1) + self.per_level * levels)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, float]], source: str) -> Cost:
+        """From (tokens ingested, levels drafted, ms) samples: prompts' first drafts and single steps."""
+        x = np.array([[1.0, max(0, n - 1), levels] for n, levels, _ in samples])
+        y = np.array([ms for _, _, ms in samples])
+        fixed, per_token, per_level = np.linalg.lstsq(x, y, rcond=None)[0]
+        return cls(float(fixed), float(per_token), float(per_level), source)
+
+
+@dataclass
+class Recording:
+    """Chains by context (the whole committed sequence), with the service time's fitted cost."""
+
+    chains: dict[str, tuple[list[int], list[int]]]  # context key -> (chain, each level's runner-up)
+    cost: Cost
+    depth: int  # the recorded chains' depth limit: requests may ask for this much at most
+    min_path_prob: float  # the chain rule's, recorded: a request with another gets no draft
+    samples: list[tuple[int, int, float]]
+
+    def chain(self, context: list[int], depth: int, given: int = 0) -> tuple[list[int], list[int]] | None:
+        """The real drafter's chain below `context`, `depth` levels at most, and its runner-ups; with
+        `given` = 1 (a pre-draft of a whole chain's bonus guess) the first level is the draft's best
+        and the chain rule counts the levels below it. None where the recording has no such context."""
+        got = self.chains.get(_key(context))
+        if got is None or not got[0]:
+            return None
+        if not given:
+            return got[0][:depth], got[1][:depth]
+        below = self.chains.get(_key(context + got[0][:1]))
+        if below is None:
+            return None
+        return got[0][:1] + below[0][:depth - 1], got[1][:1] + below[1][:depth - 1]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"depth": self.depth, "min_path_prob": self.min_path_prob,
+                                          "cost": asdict(self.cost), "samples": self.samples, "chains": self.chains}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recording:
+        d = json.loads(Path(path).read_text())
+        return cls({k: (v[0], v[1]) for k, v in d["chains"].items()}, Cost(**d["cost"]), d["depth"],
+                   d["min_path_prob"], [tuple(s) for s in d["samples"]])
+
+
+def record(drafter: Drafter, paths: list[tuple[list[int], list[int]]], cfg: DraftConfig, source: str) -> Recording:
+    """Draft with the real drafter below every prefix of each (prompt, target-only output): the prompt
+    first (a new stream's first request), then one output token at a time, as a server's session
+    would be asked; time each draft."""
+    chains: dict[str, tuple[list[int], list[int]]] = {}
+    samples = []
+    for prompt, output in paths:
+        seq = drafter.start(prompt)
+        for i in range(len(output) + 1):
+            new = [] if i == 0 else [output[i - 1]]
+            ingested = len(seq.tokens) - seq.cached + len(new)
+            job = DraftJob(seq, new, cfg, SamplingConfig())
+            start = time.perf_counter()
+            tree = drafter.propose_batch([job])[0]
+            ms = (time.perf_counter() - start) * 1e3
+            chain = tree.tokens.tolist()
+            chains[_key(prompt + output[:i])] = (chain, job.second[:len(chain)])
+            if i != 1:  # the first step after a prompt pays for the model's first touch of a new length
+                samples.append((ingested, len(chain), ms))
+    return Recording(chains, Cost.fit(samples, source), cfg.depth, cfg.min_path_prob, samples)
+
+
+class RecordedDrafter(Drafter):
+    """The Drafter interface, answered from a Recording after its cost in time: no draft compute.
+    `model` is the real draft model, for what the server sizes by it (its KV per token)."""
+
+    def __init__(self, model: torch.nn.Module, recording: Recording):
+        super().__init__(model)
+        self.recording = recording
+        self.misses = 0
+        self.drafts = 0
+
+    def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
+              max_depth: int = 0) -> DraftSequence:
+        return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, 64))
+
+    def _propose_batch(self, jobs: list[DraftJob], stop) -> list[DraftTree]:
+        ingested = 0
+        chains = []
+        levels = 1
+        for job in jobs:
+            seq = job.seq
+            seq.tokens.extend(job.new_tokens)
+            # a prompt is ingested whole; a step ingests its last token (the accepted ones' keys and
+            # values were computed while drafting them: models/drafter.py, reuse)
+            ingested += len(seq.tokens) if not seq.cached else min(1, len(job.new_tokens))
+            seq.cached = len(seq.tokens)
+            depth = max(1, min(job.cfg.depth, job.max_depth))
+            got = None
+            rec = self.recording
+            if (not job.cfg.sample and job.cfg.top_k == 1 and job.cfg.min_path_prob == rec.min_path_prob
+                    and depth <= rec.depth + job.given):
+                got = rec.chain(seq.tokens, depth, job.given)
+            self.drafts += 1
+            if got is None:
+                self.misses += 1
+                got = ([], [])
+            chains.append(got)
+            levels = max(levels, len(got[0]) or depth)
+        cost = self.recording.cost
+        time.sleep(cost.ms(ingested, len(jobs)) / 1e3)  # the ingest and the first level
+        drafted = 1
+        while drafted < levels and not (stop is not None and stop()):
+            time.sleep(cost.per_level * len(jobs) / 1e3)
+            drafted += 1
+        trees = []
+        for job, (chain, second) in zip(jobs, chains):
+            job.second = second[:drafted]
+            trees.append(DraftTree.chain(chain[:drafted]))
+        return trees

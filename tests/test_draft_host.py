@@ -1,0 +1,101 @@
+"""The emulated draft host (emulate/draft_host.py): a recording of the real drafter answers every
+request below a recorded prefix as the real drafter would, after the recorded cost, and a real draft
+server around it serves a target the same steps as the real drafter."""
+
+import dataclasses
+import time
+
+from starsd.config import DraftConfig, SamplingConfig, ServerConfig
+from starsd.emulate.draft_host import Cost, RecordedDrafter, Recording, record
+from starsd.models.drafter import DraftJob
+from starsd.spec.decode import speculative, target_only
+from starsd.star.client import DraftClient
+from starsd.star.processes import free_port
+from starsd.star.remote_drafter import RemoteDrafter
+from starsd.star.server import DraftServer
+
+FP = "f" * 64
+GREEDY = SamplingConfig()
+PROMPT = [5, 9, 2, 7, 1, 3]
+
+
+def draft(drafter, context, cfg, max_depth=1 << 30, given=0):
+    """(chain, runner-ups) of one draft below `context`, from a fresh sequence."""
+    job = DraftJob(drafter.start(context), [], cfg, GREEDY, max_depth=max_depth, given=given)
+    return drafter.propose_batch([job])[0].tokens.tolist(), job.second
+
+
+def recorded(tiny_target, drafter, tmp_path, n=24, cfg=DraftConfig()) -> tuple[Recording, list[int]]:
+    out = target_only(tiny_target, PROMPT, n, GREEDY).token_ids
+    record(drafter, [(PROMPT, out)], cfg, "test").save(tmp_path / "drafts.json")
+    return Recording.load(tmp_path / "drafts.json"), out
+
+
+def test_a_recording_answers_as_the_real_drafter_below_every_recorded_prefix(tiny_target, tiny_drafters, tmp_path):
+    real = tiny_drafters["good"]
+    rec, out = recorded(tiny_target, real, tmp_path)
+    emulated = RecordedDrafter(real.model, dataclasses.replace(rec, cost=Cost(0, 0, 0)))
+    lengths, hits = set(), []
+    for i in range(len(out) + 1):
+        context = PROMPT + out[:i]
+        for depth in (1, 3, 10):
+            cfg = DraftConfig(depth=depth)
+            want = draft(real, context, cfg)
+            assert draft(emulated, context, cfg) == want
+            assert draft(emulated, context, DraftConfig(), max_depth=depth) == want  # the target's budget
+            lengths.add(len(want[0]))
+        # a pre-draft of a whole chain's bonus guess (its first level given, a level deeper): as the real
+        # one where the guess is the target's token, else an outcome that cannot happen, not recorded
+        deeper = DraftConfig(depth=11)
+        want = draft(real, context, deeper, given=1)
+        hit = i < len(out) and want[0][0] == out[i]
+        assert draft(emulated, context, deeper, given=1) == (want if hit else ([], []))
+        hits.append(hit)
+    assert len(lengths) > 2  # the chain rule stopped at several depths: min_path_prob was met
+    assert any(hits) and emulated.misses == hits.count(False)
+    emulated.misses = 0
+    off = PROMPT + [out[0] ^ 1]  # no request of a lossless greedy star comes here
+    assert draft(emulated, off, DraftConfig()) == ([], []) and emulated.misses == 1
+
+
+def test_a_recorded_draft_takes_its_cost_and_yields_between_levels(tiny_target, tiny_drafters, tmp_path):
+    cfg = DraftConfig(depth=4, min_path_prob=0.0)
+    rec, out = recorded(tiny_target, tiny_drafters["perfect"], tmp_path, n=8, cfg=cfg)
+    emulated = RecordedDrafter(tiny_drafters["perfect"].model, dataclasses.replace(rec, cost=Cost(10, 5, 40)))
+    seq = emulated.start(PROMPT)
+    start = time.perf_counter()
+    tree = emulated.propose(seq, [], cfg, GREEDY)
+    took = (time.perf_counter() - start) * 1e3
+    assert tree.tokens.tolist() == out[:4]  # the perfect draft: the target's own tokens
+    assert 10 + 5 * (len(PROMPT) - 1) + 4 * 40 <= took < 400  # the prompt's ingest and four levels
+    seq = emulated.start(PROMPT)
+    start = time.perf_counter()
+    cut = emulated.propose_batch([DraftJob(seq, [], cfg, GREEDY)], stop=lambda: True)[0]
+    took = (time.perf_counter() - start) * 1e3
+    assert cut.tokens.tolist() == out[:1] and took < 10 + 5 * (len(PROMPT) - 1) + 2 * 40  # a request came
+    assert emulated.propose(emulated.start(PROMPT), [], DraftConfig(depth=4), GREEDY).tokens.tolist() == []
+    assert emulated.misses == 1  # another chain rule than the recording's: not recorded
+
+
+def test_a_draft_server_answering_from_a_recording_serves_the_real_drafters_steps(tiny_target, tiny_drafters, tmp_path):
+    """Over the real server and transport, a fixed depth: the same steps as the real drafter drafting
+    in the target's process, and the target's own output."""
+    real = tiny_drafters["good"]
+    rec, out = recorded(tiny_target, real, tmp_path, n=30)
+    cfg = DraftConfig(depth=4, adaptive=False)
+    local = speculative(tiny_target, real, PROMPT, 30, cfg, GREEDY)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    emulated = RecordedDrafter(real.model, dataclasses.replace(rec, cost=Cost(1, 0, 1)))
+    server = DraftServer(emulated, FP, 128, ServerConfig(bind=address, predraft=False))
+    thread = server.start()
+    warm_up = emulated.misses  # the server's warm-up drafts below tokens nobody recorded
+    client = DraftClient(address, FP, "t", timeout_s=10, heartbeat_s=0)
+    try:
+        client.hello()
+        remote = speculative(tiny_target, RemoteDrafter(client), PROMPT, 30, cfg, GREEDY)
+    finally:
+        client.close()
+        server.stop()
+        thread.join(timeout=5)
+    assert remote.token_ids == local.token_ids == out
+    assert remote.num_steps == local.num_steps < len(out) and emulated.misses == warm_up
