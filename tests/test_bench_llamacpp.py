@@ -1,6 +1,6 @@
 """`starsd bench llamacpp` end to end on a tiny GGUF: the llama.cpp target alone and with StarSD
-drafts, co-located and from a draft-server process on a core of its own, with the greedy outputs
-compared."""
+drafts, co-located, from a draft-server process on a core of its own, and from emulated draft hosts
+(recordings of the real drafter), with the greedy outputs compared and the bound computed."""
 
 import json
 import os
@@ -24,10 +24,16 @@ def test_bench_llamacpp_runs_every_mode_and_compares_outputs(tmp_path):
                      "--dtype", "float32", "--draft-quantize", "none"])
     result = json.loads(out.read_text())
     modes = result["modes"]
-    assert set(modes) == {"alone", "colocated", "alone-1core", "star-1core"}
+    assert set(modes) == {"alone", "colocated", "star-remote", "alone-1core", "star-1core", "emulated-1core"}
     assert all(m["tokens_per_s"] > 0 and len(m["runs"]) == 2 for m in modes.values())
-    for mode in ("colocated", "star-1core"):
+    for mode in ("colocated", "star-remote", "star-1core", "emulated-1core"):
         assert 0 <= modes[mode]["equal_share"] <= 1 and modes[mode]["vs_alone"] > 0
+    # the emulated draft hosts answered from recordings of the real drafter, timed on their cores
+    for name in ("2core", "1core"):
+        assert result["recordings"][name]["cost_ms"]["per_level"] > 0
+    bound = result["bound"]
+    assert bound["speedup"] > 0 and set(bound["by_depth"]) == {str(d) for d in range(1, 11)}
+    assert all(modes[m]["mean_accepted"] >= 0 and 0 <= modes[m]["drafted_share"] <= 1 for m in ("star-remote", "colocated"))
     # the draft is the target's own weights: its drafts are taken, and every divergence is a near-tie
     assert all(d["near_tie"] for d in result["divergences"]) and code == 0
     assert (tmp_path / "llamacpp.png").stat().st_size > 0

@@ -10,8 +10,20 @@ Modes, each per prompt, in an order rotated per prompt (drift in the machine's s
 - `alone-1core` and `star-1core`: two one-core hosts emulated with CPU affinity: the target on core 0
   with one thread, alone, and with drafts from a draft-server process (its defaults, one thread)
   pinned to core 1, over loopback, as from a machine of its own;
+- `star-remote`: the target on both cores, as on a host of its own, with drafts from a draft host
+  of its own, emulated (emulate/draft_host.py): a draft server answering from a recording of the real
+  draft model's drafts for these prompts, each after the real server's service time measured while
+  recording on both cores, the target idle;
+- `emulated-1core`: the emulation checked against the real thing: `star-1core` again, its draft
+  server on core 1 answering from a recording timed on core 1 (one thread);
 - `llama-speculative` (with --llama-speculative): llama.cpp's own `llama-speculative-simple`, built
   from the same llama.cpp as the engine, with the 0.5B draft's GGUF, on both cores.
+
+The recordings are made before the measured runs, below each prompt's target-only greedy output (on
+both cores). From the recording and the engine's cost of scoring k tokens (measured in the same run)
+comes the bound `star-remote` is judged by: over fixed depths d, a greedy decode of each prompt with
+the recorded chains cut to d, each step's tokens (accepted + 1) for one pass of its chain and root,
+drafts free: the most speed-up over one token a pass that this engine and this draft allow.
 
 Each StarSD mode's greedy output is compared with its engine's target-only output on the same cores:
 the share of prompts equal, and for each divergence its position and llama.cpp's top-2 logit margin
@@ -44,8 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "on the first ones)")
     p.add_argument("--limit", type=int, default=4, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
-    p.add_argument("--modes", default="alone,colocated,alone-1core,star-1core",
-                   help="comma-separated: alone, colocated, alone-1core, star-1core")
+    p.add_argument("--modes", default="alone,colocated,star-remote,alone-1core,star-1core,emulated-1core",
+                   help="comma-separated: alone, colocated, star-remote, alone-1core, star-1core, emulated-1core")
     p.add_argument("--llama-speculative", default="", help="llama.cpp's llama-speculative-simple binary: run it too")
     p.add_argument("--llama-draft-max", type=int, default=3, help="its --draft-max (tokens drafted a step)")
     p.add_argument("--json-out", default="results/llamacpp.json", help="results as JSON here, the plot beside it")
@@ -53,8 +65,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(target_engine="llamacpp", threads=0)
 
 
-RUNNERS = {"alone": "both", "colocated": "both", "alone-1core": "core0", "star-1core": "core0"}
-BASELINE = {"colocated": "alone", "star-1core": "alone-1core"}
+RUNNERS = {"alone": "both", "colocated": "both", "star-remote": "remote", "alone-1core": "core0",
+           "star-1core": "core0", "emulated-1core": "core0-emulated"}
+BASELINE = {"colocated": "alone", "star-remote": "alone", "star-1core": "alone-1core", "emulated-1core": "alone-1core"}
+WIDTHS = tuple(range(1, 12))  # tokens a pass scores, for the bound: the root and up to the default depth
 
 
 def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server: str) -> None:
@@ -87,6 +101,12 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
         if kind == "margin":
             top = loaded.target.score(loaded.target.start(ids), DraftTree.empty())[0].topk(2).values
             conn.send(float(top[0] - top[1]))
+            continue
+        if kind == "costs":
+            from starsd.bench.streams import pass_costs
+
+            costs = pass_costs(loaded.target, 1, WIDTHS, context=len(ids))
+            conn.send({k: costs[f"1 x {k}"] for k in WIDTHS})
             continue
         greedy = C.SamplingConfig(temperature=0.0)
         if kind == "alone":
@@ -133,6 +153,64 @@ def llama_speculative(binary: str, target: str, draft: str, text: str, n: int, d
             "accepted_share": float(accept.group(1)) / 100 if accept else None, "command": " ".join(cmd[:1] + cmd[3:4])}
 
 
+def _record(conn, cores: set[int], pair: C.PairConfig, paths: list, out: str) -> None:
+    """A child process on `cores`: the real drafter's drafts below every prefix of `paths`, timed
+    (emulate/draft_host.py), saved to `out`; sends the fitted cost."""
+    os.sched_setaffinity(0, cores)
+    import torch
+
+    from starsd.emulate.draft_host import record
+    from starsd.models.pair import load_drafter
+
+    torch.set_num_threads(len(cores))
+    drafter, _ = load_drafter(pair)
+    rec = record(drafter, paths, C.DraftConfig(), f"{len(cores)} core(s), {cpu_kind()}")
+    rec.save(out)
+    conn.send(dataclasses.asdict(rec.cost))
+
+
+def record_drafts(cores: set[int], pair: C.PairConfig, paths: list, out: str) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_record, args=(child, cores, dataclasses.replace(pair, threads=len(cores)), paths, out),
+                       daemon=True)
+    proc.start()
+    if not conn.poll(1800):
+        proc.kill()
+        raise RuntimeError("recording the drafts took too long")
+    cost = conn.recv()
+    proc.join(30)
+    return cost
+
+
+def bound(recording: str, paths: list, costs: dict[int, float]) -> dict:
+    """For each fixed depth d: a greedy decode of each path with the recorded chains cut to d, each
+    step's tokens for one pass of its chain and root (drafts free); its speed-up over one token a
+    pass, and the accepted tokens a step. The bound is the best d's."""
+    from starsd.emulate.draft_host import Recording
+
+    rec = Recording.load(recording)
+    by_depth = {}
+    for d in range(1, max(costs)):
+        tokens = steps = accepted = 0
+        ms = 0.0
+        for prompt, output in paths:
+            pos = 0
+            while pos < len(output):
+                got = rec.chain(prompt + output[:pos], d)
+                chain = got[0] if got else []
+                a = next((j for j, (x, y) in enumerate(zip(chain, output[pos:])) if x != y),
+                         min(len(chain), len(output) - pos))
+                ms += costs[len(chain) + 1]
+                pos += a + 1
+                steps += 1
+                accepted += a
+            tokens += len(output)
+        by_depth[d] = {"speedup": tokens / ms * costs[1], "accepted_per_step": accepted / steps}
+    best = max(by_depth, key=lambda d: by_depth[d]["speedup"])
+    return {"speedup": by_depth[best]["speedup"], "depth": best, "by_depth": by_depth, "pass_ms": costs}
+
+
 def main(args) -> int:
     from starsd.models.llamacpp import gguf_file
     from starsd.models.loading import load_tokenizer
@@ -140,25 +218,49 @@ def main(args) -> int:
 
     pair = C.from_args(C.PairConfig, args)
     modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in RUNNERS]:
+        raise C.SettingError(f"unknown mode(s) {', '.join(unknown)}: choose among {', '.join(RUNNERS)}")
     prompts = load_prompts(args.prompts)[args.offset:args.offset + args.limit]
     tokenizer = load_tokenizer(pair.target, pair.cache)
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2 and any(RUNNERS[m] == "core0" for m in modes):
-        raise C.SettingError("the one-core modes need two cores")
+    if len(cores) < 2 and any(RUNNERS[m] != "both" for m in modes):
+        raise C.SettingError("the one-core and remote modes need two cores")
+    remote = [m for m in modes if m in ("star-remote", "emulated-1core")]
     runners: dict[str, Runner] = {}
-    star = None
+    servers = []
+    recordings = {}
+    bounds = None
+    warm = load_prompts(args.prompts)[0].encode(tokenizer)  # not measured: first calls, first policy steps
+    base = str(args.json_out).rsplit(".", 1)[0]
     try:
-        if any(RUNNERS[m] == "both" for m in modes):
-            runners["both"] = Runner(set(cores[:2]), dataclasses.replace(pair, threads=2), "colocated" in modes)
+        runners["both"] = Runner(set(cores[:2]), dataclasses.replace(pair, threads=2), "colocated" in modes)
+        if remote:  # the drafts of a draft host of its own, recorded below each prompt's target-only output
+            paths = [(ids, runners["both"].ask("alone", ids, args.max_new_tokens)["token_ids"])
+                     for ids in [warm] + [p.encode(tokenizer) for p in prompts]]
+            for name, where in (("2core", set(cores[:2])), ("1core", {cores[1]})):
+                if name == "2core" and "star-remote" in modes or name == "1core" and "emulated-1core" in modes:
+                    recordings[name] = {"file": f"{base}-drafts-{name}.json",
+                                        "cost_ms": record_drafts(where, pair, paths, f"{base}-drafts-{name}.json")}
+            if "star-remote" in modes:
+                bounds = bound(recordings["2core"]["file"], paths[1:], runners["both"].ask("costs", paths[1][0]))
+        for runner, cpu, recording in (("remote", None, "2core"), ("core0-emulated", cores[1], "1core")):
+            if runner in (RUNNERS[m] for m in modes):  # the emulated draft host; loopback stands for its link
+                star = start_server(dataclasses.replace(pair, threads=1), C.ServerConfig(predraft_cohosted=True),
+                                    prefix=["taskset", "-c", str(cpu)] if cpu is not None else [],
+                                    extra=["--recording", recordings[recording]["file"]])
+                servers.append(star)
+                runners[runner] = Runner(set(cores[:2]) if cpu is None else {cores[0]},
+                                         dataclasses.replace(pair, threads=2 if cpu is None else 1), False, star.address)
         if any(RUNNERS[m] == "core0" for m in modes):
+            star = None
             if "star-1core" in modes:  # a draft host of its own: its one core, pre-drafting as on any other host
                 star = start_server(dataclasses.replace(pair, threads=1), C.ServerConfig(predraft_cohosted=True),
                                     prefix=["taskset", "-c", str(cores[1])])
+                servers.append(star)
             runners["core0"] = Runner({cores[0]}, dataclasses.replace(pair, threads=1), False,
                                       star.address if star else "")
         order = list(modes) + (["llama-speculative"] if args.llama_speculative else [])
         runs: dict[str, list[dict]] = {m: [] for m in order}
-        warm = load_prompts(args.prompts)[0].encode(tokenizer)  # not measured: first calls, first policy steps
         for mode in modes:
             runners[RUNNERS[mode]].ask("alone" if mode.startswith("alone") else "spec", warm, args.max_new_tokens)
         with Steps("bench llamacpp", len(prompts) * len(order)) as steps:
@@ -178,10 +280,10 @@ def main(args) -> int:
                     runs[mode].append(r)
                     steps.end(f"{mode}, prompt {i + 1}: {r['decoded'] / r['decode_s']:.2f} tok/s")
             divergences = []
-            for mode, base in BASELINE.items():
-                if mode not in runs or base not in runs:
+            for mode, base_mode in BASELINE.items():
+                if mode not in runs or base_mode not in runs:
                     continue
-                for i, (r, b) in enumerate(zip(runs[mode], runs[base])):
+                for i, (r, b) in enumerate(zip(runs[mode], runs[base_mode])):
                     at = next((j for j, (x, y) in enumerate(zip(r["token_ids"], b["token_ids"])) if x != y), None)
                     if at is None and len(r["token_ids"]) != len(b["token_ids"]):
                         at = min(len(r["token_ids"]), len(b["token_ids"]))
@@ -193,35 +295,52 @@ def main(args) -> int:
     finally:
         for r in runners.values():
             r.close()
-        if star:
+        for star in servers:
             star.close()
     rate = {m: sum(r["decoded"] for r in rs) / sum(r["decode_s"] for r in rs) for m, rs in runs.items()}
     points = {m: {"tokens_per_s": rate[m], "runs": rs} for m, rs in runs.items()}
-    for mode, base in BASELINE.items():
-        if mode in rate and base in rate:
-            points[mode]["vs_alone"] = rate[mode] / rate[base]
+    for mode, base_mode in BASELINE.items():
+        if mode in rate and base_mode in rate:
+            points[mode]["vs_alone"] = rate[mode] / rate[base_mode]
             points[mode]["equal_share"] = sum(r["equal"] for r in runs[mode]) / len(runs[mode])
+    for mode in rate:
+        if mode in BASELINE:
+            rs = runs[mode]
+            points[mode]["mean_accepted"] = (sum(r["mean_accepted"] * r["steps"] for r in rs)
+                                             / max(1, sum(r["steps"] for r in rs)))
+            points[mode]["drafted_share"] = sum(r["drafted_steps"] for r in rs) / max(1, sum(r["steps"] for r in rs))
     if "llama-speculative" in rate and "alone" in rate:
         points["llama-speculative"]["vs_alone"] = rate["llama-speculative"] / rate["alone"]
+    facts = {}
+    if bounds:
+        facts["bound (star-remote)"] = (f"{bounds['speedup']:.2f}x at depth {bounds['depth']} "
+                                        f"({bounds['by_depth'][bounds['depth']]['accepted_per_step']:.2f} accepted a step)")
+        if "vs_alone" in points.get("star-remote", {}):
+            facts["star-remote, share of the bound"] = f"{points['star-remote']['vs_alone'] / bounds['speedup']:.0%}"
+        if "llama-speculative" in rate and "star-remote" in rate:
+            facts["star-remote vs llama.cpp's own speculation"] = f"{rate['star-remote'] / rate['llama-speculative']:.2f}x"
+    if "emulated-1core" in rate and "star-1core" in rate:
+        facts["emulated-1core vs star-1core (the emulation's error)"] = f"{rate['emulated-1core'] / rate['star-1core']:.3f}"
     result = {"benchmark": "llamacpp", "target": pair.target, "draft": pair.draft, "prompts": args.prompts,
               "offset": args.offset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "cpu_flags": cpu_kind(), "llama_draft_max": args.llama_draft_max, "modes": points,
-              "divergences": divergences}
+              "recordings": recordings, "bound": bounds, "divergences": divergences}
     write_json(args.json_out, result)
-    png = str(args.json_out).rsplit(".", 1)[0] + ".png"
+    png = base + ".png"
     bar_panels(png, [{"labels": list(rate), "values": [round(v, 2) for v in rate.values()], "ylabel": "tokens / s",
                       "title": f"llama.cpp target, {len(prompts)} {args.prompts} prompts, greedy"}])
     rows = []
     for m, p in points.items():
         vs = p.get("vs_alone")
         rows.append([m, f"{p['tokens_per_s']:.2f}", f"{vs:.2f}x" if vs else "",
+                     f"{p['mean_accepted']:.2f}" if "mean_accepted" in p else "",
                      f"{p['equal_share']:.0%}" if "equal_share" in p else ""])
+    facts["divergences"] = ", ".join(f"{d['mode']} {d['prompt']} at {d['position']} (margin {d['margin']:.3f})"
+                                     for d in divergences) or "none"
     summary(f"bench llamacpp: {len(prompts)} {args.prompts} prompts from #{args.offset}, {args.max_new_tokens} tokens, "
             f"greedy, {cpu_kind()}; decoding tokens/s after the first step",
-            ["mode", "tokens/s", "vs alone on the same cores", "greedy output equal"], rows,
-            facts={"divergences": ", ".join(f"{d['mode']} {d['prompt']} at {d['position']} (margin {d['margin']:.3f})"
-                                            for d in divergences) or "none"},
-            files={"JSON": args.json_out, "plot": png})
+            ["mode", "tokens/s", "vs alone on the same cores", "accepted a step", "greedy output equal"], rows,
+            facts=facts, files={"JSON": args.json_out, "plot": png})
     return 0 if all(d["near_tie"] for d in divergences) else 1
 
 
