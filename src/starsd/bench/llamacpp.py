@@ -42,6 +42,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 
 from starsd import config as C
 from starsd.prompts import load as load_prompts
@@ -124,7 +125,8 @@ class Runner:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_runner, args=(child, cores, pair, with_draft, server), daemon=True)
         self.proc.start()
-        if not self.conn.poll(600) or self.conn.recv() != "ready":
+        _wait(self.conn, self.proc, 600, "a benchmark runner's start")
+        if self.conn.recv() != "ready":
             raise RuntimeError("a benchmark runner did not start")
 
     def ask(self, kind: str, ids: list[int], n: int = 0):
@@ -134,6 +136,17 @@ class Runner:
     def close(self) -> None:
         self.conn.send(None)
         self.proc.join(30)
+
+
+def _wait(conn, proc, seconds: float, what: str) -> None:
+    """Until a child process has something to say; it must not die or take longer than `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not conn.poll(1):
+        if not proc.is_alive():
+            raise RuntimeError(f"{what} failed: its process exited ({proc.exitcode})")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{what} took more than {seconds:.0f} s")
 
 
 def llama_speculative(binary: str, target: str, draft: str, text: str, n: int, draft_max: int) -> dict:
@@ -175,9 +188,7 @@ def record_drafts(cores: set[int], pair: C.PairConfig, paths: list, out: str) ->
     proc = ctx.Process(target=_record, args=(child, cores, dataclasses.replace(pair, threads=len(cores)), paths, out),
                        daemon=True)
     proc.start()
-    if not conn.poll(1800):
-        proc.kill()
-        raise RuntimeError("recording the drafts took too long")
+    _wait(conn, proc, 1800, "recording the drafts")
     cost = conn.recv()
     proc.join(30)
     return cost
