@@ -5,7 +5,8 @@ On llama.cpp the streams are slots of one context, their passes gathered into on
 sequences, never touching another's), and the passes must really be shared. Through `starsd serve`
 (real processes: a draft server, a llama.cpp target server of 2 streams, the gateway), two requests
 run on the one target at once, each with its own draft session, and a third is refused while both
-slots are taken. On transformers the streams take turns (one pass at a time) and stay bit-exact.
+slots are taken. On transformers the streams' scoring passes are gathered too, into one forward
+pass over rows of different lengths (models/target.py, score_batch).
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ def model_dir(tmp_path_factory):
     return write_tiny_model_dir(tmp_path_factory.mktemp("streams"))
 
 
-def run_steps(target, prompt: list[int], seed: int) -> list[torch.Tensor]:
+def run_steps(target, prompt: list[int], seed: int, vocab: int = len(VOCAB)) -> list[torch.Tensor]:
     """Score STEPS' trees on `target` (a slot, or a reference), committing each step's path: each pass's logits."""
     seq = target.start(prompt)
     out = []
     for i, (parents, path) in enumerate(STEPS):
         g = torch.Generator().manual_seed(seed * 100 + i)
-        tree = DraftTree(torch.randint(0, len(VOCAB), (len(parents),), generator=g), torch.tensor(parents))
+        tree = DraftTree(torch.randint(0, vocab, (len(parents),), generator=g), torch.tensor(parents))
         out.append(target.score(seq, tree))
-        bonus = int(torch.randint(0, len(VOCAB), (1,), generator=g))
+        bonus = int(torch.randint(0, vocab, (1,), generator=g))
         target.commit(seq, Verdict(path, [int(tree.tokens[j]) for j in path] + [bonus]))
     out.append(target.score(seq, DraftTree.empty()))
     return out
@@ -108,14 +109,47 @@ def test_greedy_streams_decoded_together_equal_each_decoded_alone(model_dir):
     shared.close()
 
 
-def test_transformers_streams_take_turns_and_stay_exact():
-    """The transformers engine does not batch streams: its slots' passes take turns, each stream
-    bit-exact to decoding alone (float32)."""
-    target = TargetModel(tiny.tiny_model(1), streams=3)
+def test_transformers_streams_scored_together_each_as_if_alone():
+    """The transformers engine's slots: three streams of different lengths through trees whose paths
+    leave other branches behind, their passes gathered into shared forward passes (fewer passes
+    than asked, some of them batches); every pass's logits are the stream's alone ones up to float32
+    rounding (attending to another stream's or a padding column would move them by their own size),
+    and greedy streams decoded together equal each decoded alone."""
+    model = tiny.tiny_model(1)
+    vocab = model.config.vocab_size
+    shared, alone = TargetModel(model, streams=3), TargetModel(model)
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (17, 40, 5)]
+    batched = []
+    real = shared.score_batch
+
+    def score_batch(seqs, trees):
+        batched.append(len(seqs))
+        return real(seqs, trees)
+
+    shared.score_batch = score_batch
+    got: dict[int, list[torch.Tensor]] = {}
+    barrier = threading.Barrier(3)
+
+    def stream(i: int) -> None:
+        barrier.wait()
+        got[i] = run_steps(shared.slots[i], prompts[i], seed=i, vocab=vocab)
+        shared.slots[i].end()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert shared.batcher.passes < shared.batcher.asked and batched and max(batched) > 1
+    for i, prompt in enumerate(prompts):
+        want = run_steps(alone, prompt, seed=i, vocab=vocab)
+        assert len(got[i]) == len(want)
+        for a, b in zip(got[i], want):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
     prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(3)]
-    want = [target_only(target, p, 24, GREEDY).token_ids for p in prompts]
+    want = [target_only(alone, p, 24, GREEDY).token_ids for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda i: target_only(target.slots[i], prompts[i], 24, GREEDY).token_ids, range(3)))
+        got = list(pool.map(lambda i: target_only(shared.slots[i], prompts[i], 24, GREEDY).token_ids, range(3)))
     assert got == want
 
 

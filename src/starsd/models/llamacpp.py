@@ -39,6 +39,7 @@ import torch
 from starsd.config import MAX_STREAMS, ModelConfig
 from starsd.errors import StarsdError
 from starsd.models import pinned
+from starsd.models.batcher import Batcher, Job
 from starsd.spec.tree import DraftTree, children, depths
 from starsd.spec.verify import Verdict
 
@@ -118,84 +119,15 @@ class LlamaSequence:
 
 
 @dataclass
-class _Pass:
+class _Pass(Job):
     """Rows a stream asks to have decoded, and, once done, the logits of those that want them."""
 
-    rows: list[Row]
-    done: threading.Event = field(default_factory=threading.Event)
+    rows: list[Row] = field(default_factory=list)
     logits: np.ndarray | None = None  # [rows with logits, V]
-    ms: float = 0.0  # its rows' share of the llama_decode's time
-    error: BaseException | None = None
 
-
-class Batcher:
-    """Gathers the passes a context's streams ask for into one llama_decode, on a thread of its own.
-
-    A pass starts as soon as every open stream has asked for one, or GATHER_S after the first ask,
-    whichever comes first: a stream that is waiting for its draft, or sending its tokens, does not
-    hold the others back for longer than that. Passes go in the order asked, as many as the
-    context's batch holds (the first always). A llama_decode that fails is tried again for each
-    stream alone, so that only the stream whose rows it refuses hears of it."""
-
-    GATHER_S = 0.004
-
-    def __init__(self, run, capacity: int):
-        self.run = run  # decodes a list of _Pass, under the context's lock
-        self.capacity = capacity  # rows one llama_decode takes
-        self.cond = threading.Condition()
-        self.waiting: list[_Pass] = []
-        self.open = 0  # streams that will ask for passes (started, not ended)
-        self.asked = 0  # passes asked for, in all
-        self.passes = 0  # llama_decodes run for them
-        self.thread = threading.Thread(target=self._loop, name="llamacpp-batcher", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: _Pass) -> None:
-        """Wait until `job` is decoded (its logits and share of the pass set), or raise its error."""
-        with self.cond:
-            self.waiting.append(job)
-            self.asked += 1
-            self.cond.notify_all()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-
-    def opened(self, n: int) -> None:
-        with self.cond:
-            self.open += n
-            self.cond.notify_all()
-
-    def _take(self) -> list[_Pass]:
-        with self.cond:
-            while not self.waiting:
-                self.cond.wait()
-            until = time.monotonic() + self.GATHER_S
-            while len(self.waiting) < self.open and (left := until - time.monotonic()) > 0:
-                self.cond.wait(left)
-            taken: list[_Pass] = []
-            rows = 0
-            while self.waiting and (not taken or rows + len(self.waiting[0].rows) <= self.capacity):
-                taken.append(self.waiting.pop(0))
-                rows += len(taken[-1].rows)
-            self.passes += 1
-            return taken
-
-    def _loop(self) -> None:
-        while True:
-            taken = self._take()
-            try:
-                self.run(taken)
-            except BaseException as e:  # one stream's rows must not fail the others': each alone
-                for job in taken:
-                    try:
-                        if len(taken) > 1:
-                            self.run([job])
-                        else:
-                            job.error = e
-                    except BaseException as alone:
-                        job.error = alone
-            for job in taken:
-                job.done.set()
+    @property
+    def size(self) -> int:
+        return len(self.rows)
 
 
 class LlamaCppTarget:
@@ -239,7 +171,7 @@ class LlamaCppTarget:
         self.epochs = [0] * streams  # each slot's count of start()s
         self.live = [0] * streams  # each slot's sequences that may hold cells
         self.lock = threading.Lock()  # over the context: decodes and memory edits
-        self.batcher = Batcher(self._run, self.capacity) if streams > 1 else None
+        self.batcher = Batcher(self._run, self.capacity, "llamacpp-batcher") if streams > 1 else None
         self.slots = [LlamaCppSlot(self, i) for i in range(streams)]
 
     @classmethod
@@ -370,7 +302,7 @@ class LlamaCppTarget:
 
     def _pass(self, rows: list[Row]) -> _Pass:
         """Decode rows: at once with one slot, else in a pass the batcher gathers with other streams' rows."""
-        job = _Pass(rows)
+        job = _Pass(rows=rows)
         if self.batcher:
             self.batcher.submit(job)
         else:
@@ -399,7 +331,7 @@ class LlamaCppTarget:
                 raise StarsdError(f"llama_decode failed ({rc}) on {i} tokens")
             ms = (time.perf_counter() - t0) * 1e3
             for job in jobs:
-                job.ms = ms * len(job.rows) / i
+                job.ms = ms * job.size / i
             wanted = sum(row[3] for job in jobs for row in job.rows)
             if not wanted:
                 return

@@ -1,0 +1,97 @@
+"""One pass for the passes that a target's streams ask for at about the same time (both engines).
+
+Each stream of a target server is driven by a thread of its own (star/target_server.py); when it
+needs a pass it submits a Job and waits. The Batcher's thread gathers the jobs and hands them to its
+engine's `run` together: one llama_decode (models/llamacpp.py), or one forward pass over rows of
+different lengths (models/target.py). Each job learns its share of the pass's time (`ms`): what a
+draft costs its stream when others share the pass (spec/decode.py reads it as seq.pass_ms).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Job:
+    """A stream's share of a pass; its engine says what it holds and its `size` (rows of the pass)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    ms: float = 0.0  # its share of the pass's time, once done
+    error: BaseException | None = None
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
+
+
+class Batcher:
+    """Gathers the jobs a target's streams submit into one pass, on a thread of its own.
+
+    A pass starts as soon as every open stream has asked for one, or GATHER_S after the first ask,
+    whichever comes first: a stream that is waiting for its draft, or sending its tokens, does not
+    hold the others back for longer than that. Jobs go in the order asked, as many as `capacity`
+    rows hold (the first always). A pass that fails is tried again for each job alone, so that
+    only the stream whose rows the engine refuses hears of it."""
+
+    GATHER_S = 0.004
+
+    def __init__(self, run, capacity: int, name: str):
+        self.run = run  # runs a list of jobs as one pass, under the engine's lock
+        self.capacity = capacity  # rows one pass takes
+        self.cond = threading.Condition()
+        self.waiting: list[Job] = []
+        self.open = 0  # streams that will ask for passes (started, not ended)
+        self.asked = 0  # jobs submitted, in all
+        self.passes = 0  # passes run for them
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Wait until `job` is done (its results and share of the pass set), or raise its error."""
+        with self.cond:
+            self.waiting.append(job)
+            self.asked += 1
+            self.cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+
+    def opened(self, n: int) -> None:
+        with self.cond:
+            self.open += n
+            self.cond.notify_all()
+
+    def _take(self) -> list[Job]:
+        with self.cond:
+            while not self.waiting:
+                self.cond.wait()
+            until = time.monotonic() + self.GATHER_S
+            while len(self.waiting) < self.open and (left := until - time.monotonic()) > 0:
+                self.cond.wait(left)
+            taken: list[Job] = []
+            rows = 0
+            while self.waiting and (not taken or rows + self.waiting[0].size <= self.capacity):
+                taken.append(self.waiting.pop(0))
+                rows += taken[-1].size
+            self.passes += 1
+            return taken
+
+    def _loop(self) -> None:
+        while True:
+            taken = self._take()
+            try:
+                self.run(taken)
+            except BaseException as e:  # one stream's rows must not fail the others': each alone
+                for job in taken:
+                    try:
+                        if len(taken) > 1:
+                            self.run([job])
+                        else:
+                            job.error = e
+                    except BaseException as alone:
+                        job.error = alone
+            for job in taken:
+                job.done.set()
