@@ -40,6 +40,7 @@ import dataclasses
 import multiprocessing
 import os
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -63,6 +64,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-draft-max", type=int, default=3, help="its --draft-max (tokens drafted a step)")
     p.add_argument("--json-out", default="results/llamacpp.json", help="results as JSON here, the plot beside it")
     C.add_flags(p, C.PairConfig)
+    C.add_flags(p, C.DraftConfig, prefix="draft-")  # StarSD's drafts in every mode (the defaults: as a person gets them)
     p.set_defaults(target_engine="llamacpp", threads=0)
 
 
@@ -72,7 +74,7 @@ BASELINE = {"colocated": "alone", "star-remote": "alone", "star-1core": "alone-1
 WIDTHS = tuple(range(1, 12))  # tokens a pass scores, for the bound: the root and up to the default depth
 
 
-def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server: str) -> None:
+def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, with_draft: bool, server: str) -> None:
     """A child process on `cores` (its threads inherit the affinity): a llama.cpp target, and the
     draft model or a draft server's drafts; it decodes what the parent sends."""
     os.sched_setaffinity(0, cores)
@@ -93,7 +95,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
         client = DraftClient(server, vocab_fingerprint(loaded.tokenizer, loaded.target.width), "bench")
         client.hello()
         drafter = RemoteDrafter(client, cohosted=False)  # the server has a core of its own (star-1core)
-    policy = DepthPolicy(C.DraftConfig().depth)  # one for the process, as a target process keeps: it carries over
+    policy = DepthPolicy(draft.depth)  # one for the process, as a target process keeps: it carries over
     if drafter is not None:
         measure_verify(loaded.target, policy)  # as a target process does before its first stream
     conn.send("ready")
@@ -104,26 +106,42 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, with_draft: bool, server:
             conn.send(float(top[0] - top[1]))
             continue
         if kind == "costs":
-            from starsd.bench.streams import pass_costs
-
-            costs = pass_costs(loaded.target, 1, WIDTHS, context=len(ids))
-            conn.send({k: costs[f"1 x {k}"] for k in WIDTHS})
+            conn.send(verify_costs(loaded.target, ids))
             continue
         greedy = C.SamplingConfig(temperature=0.0)
         if kind == "alone":
             gen = target_only(loaded.target, ids, n, greedy, loaded.eos_ids)
         else:
-            gen = speculative(loaded.target, drafter, ids, n, C.DraftConfig(), greedy, loaded.eos_ids, policy=policy)
+            gen = speculative(loaded.target, drafter, ids, n, draft, greedy, loaded.eos_ids, policy=policy)
         conn.send({"token_ids": gen.token_ids, "decoded": len(gen.token_ids) - gen.trace[0][1],
                    "decode_s": gen.trace[-1][0] - gen.trace[0][0], "steps": gen.num_steps,
                    "mean_accepted": gen.mean_accepted, "drafted_steps": sum(1 for d in gen.depths if d)})
 
 
+def verify_costs(target, ids: list[int], rounds: int = 9) -> dict[int, float]:
+    """ms of one pass scoring k tokens (the root and a chain of k - 1) after `ids`, for k in WIDTHS:
+    the median of `rounds` after an untimed one, each committing one token."""
+    from starsd.spec.tree import DraftTree
+    from starsd.spec.verify import Verdict
+
+    costs = {}
+    for k in WIDTHS:
+        seq = target.start(ids)
+        times = []
+        for r in range(rounds + 1):
+            start = time.perf_counter()
+            target.score(seq, DraftTree.chain(ids[:k - 1]))
+            times.append((time.perf_counter() - start) * 1e3)
+            target.commit(seq, Verdict([], [ids[r]]))
+        costs[k] = round(statistics.median(times[1:]), 1)
+    return costs
+
+
 class Runner:
-    def __init__(self, cores: set[int], pair: C.PairConfig, with_draft: bool, server: str = ""):
+    def __init__(self, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, with_draft: bool, server: str = ""):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_runner, args=(child, cores, pair, with_draft, server), daemon=True)
+        self.proc = ctx.Process(target=_runner, args=(child, cores, pair, draft, with_draft, server), daemon=True)
         self.proc.start()
         _wait(self.conn, self.proc, 600, "a benchmark runner's start")
         if self.conn.recv() != "ready":
@@ -166,7 +184,7 @@ def llama_speculative(binary: str, target: str, draft: str, text: str, n: int, d
             "accepted_share": float(accept.group(1)) / 100 if accept else None, "command": " ".join(cmd[:1] + cmd[3:4])}
 
 
-def _record(conn, cores: set[int], pair: C.PairConfig, paths: list, out: str) -> None:
+def _record(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, paths: list, out: str) -> None:
     """A child process on `cores`: the real drafter's drafts below every prefix of `paths`, timed
     (emulate/draft_host.py), saved to `out`; sends the fitted cost."""
     os.sched_setaffinity(0, cores)
@@ -177,16 +195,16 @@ def _record(conn, cores: set[int], pair: C.PairConfig, paths: list, out: str) ->
 
     torch.set_num_threads(len(cores))
     drafter, _ = load_drafter(pair)
-    rec = record(drafter, paths, C.DraftConfig(), f"{len(cores)} core(s), {cpu_kind()}")
+    rec = record(drafter, paths, draft, f"{len(cores)} core(s), {cpu_kind()}")
     rec.save(out)
     conn.send(dataclasses.asdict(rec.cost))
 
 
-def record_drafts(cores: set[int], pair: C.PairConfig, paths: list, out: str) -> dict:
+def record_drafts(cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, paths: list, out: str) -> dict:
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_record, args=(child, cores, dataclasses.replace(pair, threads=len(cores)), paths, out),
-                       daemon=True)
+    proc = ctx.Process(target=_record, args=(child, cores, dataclasses.replace(pair, threads=len(cores)), draft, paths,
+                                             out), daemon=True)
     proc.start()
     _wait(conn, proc, 1800, "recording the drafts")
     cost = conn.recv()
@@ -228,6 +246,7 @@ def main(args) -> int:
     from starsd.star.launch import start_server
 
     pair = C.from_args(C.PairConfig, args)
+    draft = C.from_args(C.DraftConfig, args, prefix="draft-")
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in RUNNERS]:
         raise C.SettingError(f"unknown mode(s) {', '.join(unknown)}: choose among {', '.join(RUNNERS)}")
@@ -244,14 +263,14 @@ def main(args) -> int:
     warm = load_prompts(args.prompts)[0].encode(tokenizer)  # not measured: first calls, first policy steps
     base = str(args.json_out).rsplit(".", 1)[0]
     try:
-        runners["both"] = Runner(set(cores[:2]), dataclasses.replace(pair, threads=2), "colocated" in modes)
+        runners["both"] = Runner(set(cores[:2]), dataclasses.replace(pair, threads=2), draft, "colocated" in modes)
         if remote:  # the drafts of a draft host of its own, recorded below each prompt's target-only output
             paths = [(ids, runners["both"].ask("alone", ids, args.max_new_tokens)["token_ids"])
                      for ids in [warm] + [p.encode(tokenizer) for p in prompts]]
             for name, where in (("2core", set(cores[:2])), ("1core", {cores[1]})):
                 if name == "2core" and "star-remote" in modes or name == "1core" and "emulated-1core" in modes:
                     recordings[name] = {"file": f"{base}-drafts-{name}.json",
-                                        "cost_ms": record_drafts(where, pair, paths, f"{base}-drafts-{name}.json")}
+                                        "cost_ms": record_drafts(where, pair, draft, paths, f"{base}-drafts-{name}.json")}
             if "star-remote" in modes:
                 bounds = bound(recordings["2core"]["file"], paths[1:], runners["both"].ask("costs", paths[1][0]))
         for runner, cpu, recording in (("remote", None, "2core"), ("core0-emulated", cores[1], "1core")):
@@ -261,14 +280,15 @@ def main(args) -> int:
                                     extra=["--recording", recordings[recording]["file"]])
                 servers.append(star)
                 runners[runner] = Runner(set(cores[:2]) if cpu is None else {cores[0]},
-                                         dataclasses.replace(pair, threads=2 if cpu is None else 1), False, star.address)
+                                         dataclasses.replace(pair, threads=2 if cpu is None else 1), draft, False,
+                                         star.address)
         if any(RUNNERS[m] == "core0" for m in modes):
             star = None
             if "star-1core" in modes:  # a draft host of its own: its one core, pre-drafting as on any other host
                 star = start_server(dataclasses.replace(pair, threads=1), C.ServerConfig(predraft_cohosted=True),
                                     prefix=["taskset", "-c", str(cores[1])])
                 servers.append(star)
-            runners["core0"] = Runner({cores[0]}, dataclasses.replace(pair, threads=1), False,
+            runners["core0"] = Runner({cores[0]}, dataclasses.replace(pair, threads=1), draft, False,
                                       star.address if star else "")
         order = list(modes) + (["llama-speculative"] if args.llama_speculative else [])
         runs: dict[str, list[dict]] = {m: [] for m in order}
@@ -334,7 +354,8 @@ def main(args) -> int:
         facts["emulated-1core vs star-1core (the emulation's error)"] = f"{rate['emulated-1core'] / rate['star-1core']:.3f}"
     result = {"benchmark": "llamacpp", "target": pair.target, "draft": pair.draft, "prompts": args.prompts,
               "offset": args.offset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "cpu_flags": cpu_kind(), "llama_draft_max": args.llama_draft_max, "modes": points,
+              "cpu_flags": cpu_kind(), "llama_draft_max": args.llama_draft_max, "draft_config": dataclasses.asdict(draft),
+              "modes": points,
               "recordings": recordings, "bound": bounds, "divergences": divergences}
     write_json(args.json_out, result)
     png = base + ".png"
