@@ -220,6 +220,11 @@ def cmd_target_server(args) -> int:
     client_keys = C.from_args(C.ClientKeys, args)
     serving_keys = C.from_args(C.ServingKeys, args)
     security.check_listen(args.bind, serving_keys.serve_key, serving_keys.serve_clients, args.insecure)
+    leaves = C.LLAMACPP_SEQUENCES // cfg.target_streams  # llama.cpp: the sequence ids each stream's tree may use
+    if args.connect and cfg.engine == "llamacpp" and draft.top_k > 1 and draft.max_nodes > leaves:
+        raise C.SettingError(f"on llama.cpp, {cfg.target_streams} streams leave each stream's draft tree {leaves} "
+                             f"leaves, and a tree of {draft.max_nodes} nodes may have more: lower --draft-total-tokens "
+                             "or --target-streams")
 
     from starsd.models.loading import vocab_fingerprint
     from starsd.models.pair import Pair

@@ -27,6 +27,7 @@ MAX_DRAFT_NODES = 256
 MAX_SAMPLE_TOP_K = 256  # a sampled node's support: its q takes 6 bytes a token on the wire, 1.5 KB at most
 MAX_SEED = (1 << 63) - 2  # a draft generator is seeded with seed + 1, which must fit an int64
 MAX_STREAMS = 64  # streams one target server decodes at once
+LLAMACPP_SEQUENCES = 256  # llama.cpp's bound on a context's sequences, shared by a target's streams: their trees' leaves
 
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("transformers", "llamacpp")

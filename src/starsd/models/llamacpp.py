@@ -36,14 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from starsd.config import MAX_STREAMS, ModelConfig
+from starsd.config import LLAMACPP_SEQUENCES, MAX_STREAMS, ModelConfig
 from starsd.errors import StarsdError
 from starsd.models import pinned
 from starsd.models.batcher import Batcher, Job
 from starsd.spec.tree import DraftTree, children, depths
 from starsd.spec.verify import Verdict
 
-MAX_SEQUENCES = 256  # llama.cpp's own bound on a context's sequences, shared by its slots: their trees' leaves
+MAX_SEQUENCES = LLAMACPP_SEQUENCES  # shared by the slots: their trees' leaves
 PREFILL_CHUNK = 512  # tokens a prefill submits in one llama_decode
 SHARED_PREFILL_CHUNK = 64  # with several slots: prompt tokens a pass carries beside the running streams' rows
 
