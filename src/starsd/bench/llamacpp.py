@@ -337,8 +337,8 @@ def main(args) -> int:
     for mode in rate:
         if mode in BASELINE:
             rs = runs[mode]
-            points[mode]["mean_accepted"] = (sum(r["mean_accepted"] * r["steps"] for r in rs)
-                                             / max(1, sum(r["steps"] for r in rs)))
+            points[mode]["mean_accepted"] = (sum(r["mean_accepted"] * r["drafted_steps"] for r in rs)
+                                             / max(1, sum(r["drafted_steps"] for r in rs)))  # a drafted step
             points[mode]["drafted_share"] = sum(r["drafted_steps"] for r in rs) / max(1, sum(r["steps"] for r in rs))
     if "llama-speculative" in rate and "alone" in rate:
         points["llama-speculative"]["vs_alone"] = rate["llama-speculative"] / rate["alone"]
@@ -371,7 +371,7 @@ def main(args) -> int:
                                      for d in divergences) or "none"
     summary(f"bench llamacpp: {len(prompts)} {args.prompts} prompts from #{args.offset}, {args.max_new_tokens} tokens, "
             f"greedy, {cpu_kind()}; decoding tokens/s after the first step",
-            ["mode", "tokens/s", "vs alone on the same cores", "accepted a step", "greedy output equal"], rows,
+            ["mode", "tokens/s", "vs alone on the same cores", "accepted a drafted step", "greedy output equal"], rows,
             facts=facts, files={"JSON": args.json_out, "plot": png})
     return 0 if all(d["near_tie"] for d in divergences) else 1
 
