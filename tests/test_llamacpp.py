@@ -6,24 +6,30 @@ that keep a branch other than the first. That checks the engine's tree sequences
 against the reference implementation of tree attention (models/target.py). On the real pinned
 target, greedy decoding with drafts must give llama.cpp's own target-only output, but where the
 engine's batched and single-token kernels round a near-tie the other way (shown, with its margin).
+Sampled decoding with drafts keeps the law of llama.cpp's own sampling (tests/lossless.py's check).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections import Counter
 
 import pytest
 import torch
 
+import numpy as np
+
 import tiny
 from gguf_tiny import EOS_TOKEN_IDS, VOCAB, write_tiny_qwen2_gguf
+from lossless import assert_matches, expected_tv
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.errors import StarsdError
 from starsd.models.drafter import Drafter
 from starsd.models.target import TargetModel
 from starsd.spec.decode import speculative, target_only
 from starsd.spec.tree import DraftTree
-from starsd.spec.verify import Verdict
+from starsd.spec.verify import Verdict, warp
 
 if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is a failure there
     pytest.importorskip("llama_cpp")
@@ -119,6 +125,67 @@ def test_greedy_with_drafts_is_llamacpp_target_only_on_a_tiny_model(tiny_pair):
             accepted = check_lossless(llama, drafter, prompts, 24, draft)
             if name == "perfect":
                 assert min(accepted) > 1.0, (draft, accepted)
+
+
+SAMPLED = SamplingConfig(temperature=1.0, top_k=3)
+SAMPLED_DRAFT = DraftConfig(depth=2, sample=True, min_path_prob=0.0, adaptive=False)
+
+
+def law_of_two(score, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """The law of the first two tokens sampled after `prompt`, from `score(ids)`: the logits there."""
+    law = {(): 1.0}
+    for _ in range(2):
+        longer = {}
+        for prefix, mass in law.items():
+            p = warp(score(prompt + list(prefix)), SAMPLED)
+            for t in p.nonzero().squeeze(1).tolist():
+                longer[prefix + (t,)] = mass * float(p[t])
+        law = longer
+    return law
+
+
+class OtherQ:
+    """A drafter whose drafts travel with their q rows in reverse order (each token with another
+    position's q) instead of those their tokens were drawn from: a verification that must not keep
+    the target's law."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose(self, *args, **kwargs):
+        tree = self.drafter.propose(*args, **kwargs)
+        return DraftTree(tree.tokens, tree.parents, tree.q[torch.arange(len(tree)).flip(0)])
+
+
+def test_sampling_with_drafts_keeps_llamacpps_law_on_a_tiny_model(tiny_pair):
+    """Sampled chains of a noisy draft, verified (spec/verify.py) on llama.cpp's logits: the first two
+    tokens of many seeded generations follow the law of llama.cpp's own sampling (from its
+    single-token logits; its batched ones differ by rounding only), closer to it by far than to the
+    draft's law; and the check has power: verifying with other positions' q fails it."""
+    llama, reference, _ = tiny_pair
+    drafter = Drafter(tiny.perturbed(reference.model, seed=5, scale=0.5))
+    prompt = [10, 11, 12]
+    law = law_of_two(lambda ids: llama.score(llama.start(ids), DraftTree.empty())[0], prompt)
+    with torch.inference_mode():
+        draft_law = law_of_two(lambda ids: drafter.model(torch.tensor([ids])).logits[0, -1], prompt)
+
+    def sample(source, trials: int) -> np.ndarray:
+        counts = Counter(tuple(speculative(llama, source, prompt, 3, SAMPLED_DRAFT, dataclasses.replace(SAMPLED, seed=i))
+                               .token_ids[:2]) for i in range(trials))  # 3 tokens: the first draft is 2 deep
+        return np.array([counts[o] for o in outcomes])
+
+    outcomes = sorted(set(law) | set(draft_law))
+    target = np.array([law.get(o, 0.0) for o in outcomes])
+    drafted = np.array([draft_law.get(o, 0.0) for o in outcomes])
+    trials = 1500
+    max_tv = 2.2 * expected_tv(target, trials)  # what an exact sampler exceeds about once in 10^4 runs here
+    assert 0.5 * np.abs(target - drafted).sum() > 6 * max_tv  # the draft's own law is told apart
+    assert_matches("llama.cpp, sampled drafts", sample(drafter, trials), target, {"draft law": drafted}, max_tv=max_tv)
+    with pytest.raises(AssertionError, match="TV to target|chi-square"):
+        assert_matches("other q", sample(OtherQ(drafter), trials), target, {"draft law": drafted}, max_tv=max_tv)
 
 
 def test_llamacpp_refuses_what_it_cannot_hold(tiny_pair):
