@@ -162,7 +162,8 @@ class LlamaCppTarget:
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             ll.llama_model_free(self.model)
-            raise StarsdError(f"llama.cpp could not make a context of {streams} x {self.max_context} tokens for {file}")
+            raise StarsdError(f"llama.cpp could not make a context of {streams} x {self.max_context} tokens for {file} "
+                              "(its KV cache is allocated at start): lower --target-context or --target-streams")
         self.memory = ll.llama_get_memory(self.ctx)
         self.capacity = ll.llama_n_batch(self.ctx)  # rows one llama_decode takes
         self.chunk = self.capacity if streams == 1 else min(SHARED_PREFILL_CHUNK, self.capacity)
