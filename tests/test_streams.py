@@ -61,6 +61,24 @@ def run_steps(target, prompt: list[int], seed: int, vocab: int = len(VOCAB)) -> 
     return out
 
 
+def steps_together(slots, prompts: list[list[int]], vocab: int = len(VOCAB)) -> dict[int, list[torch.Tensor]]:
+    """run_steps on each slot at once, a thread each (released together), each slot ended after."""
+    got: dict[int, list[torch.Tensor]] = {}
+    barrier = threading.Barrier(len(prompts))
+
+    def stream(i: int) -> None:
+        barrier.wait()
+        got[i] = run_steps(slots[i], prompts[i], seed=i, vocab=vocab)
+        slots[i].end()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
+
+
 def test_slots_score_trees_together_each_as_if_alone(model_dir):
     """Three streams on three slots of one context, each driven by its own thread through trees
     whose paths leave other branches behind: every pass's logits are those the same engine computes
@@ -70,19 +88,7 @@ def test_slots_score_trees_together_each_as_if_alone(model_dir):
     llama = LlamaCppTarget(model_dir / "model.gguf", threads=1, streams=3)
     prompts = [torch.randint(0, len(VOCAB), (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (17, 40, 5)]
-    got: dict[int, list[torch.Tensor]] = {}
-    barrier = threading.Barrier(3)
-
-    def stream(i: int) -> None:
-        barrier.wait()
-        got[i] = run_steps(llama.slots[i], prompts[i], seed=i)
-        llama.slots[i].end()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    got = steps_together(llama.slots, prompts)
     assert llama.batcher.passes < llama.batcher.asked
     again = run_steps(llama.slots[1], prompts[1], seed=1)  # an ended slot takes a new stream
     llama.close()
@@ -127,19 +133,7 @@ def test_transformers_streams_scored_together_each_as_if_alone():
         return real(seqs, trees)
 
     shared.score_batch = score_batch
-    got: dict[int, list[torch.Tensor]] = {}
-    barrier = threading.Barrier(3)
-
-    def stream(i: int) -> None:
-        barrier.wait()
-        got[i] = run_steps(shared.slots[i], prompts[i], seed=i, vocab=vocab)
-        shared.slots[i].end()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    got = steps_together(shared.slots, prompts, vocab)
     assert shared.batcher.passes < shared.batcher.asked and batched and max(batched) > 1
     for i, prompt in enumerate(prompts):
         want = run_steps(alone, prompt, seed=i, vocab=vocab)
