@@ -60,6 +60,7 @@ def test_bad_flags_and_values():
     refused(starsd("serve", "--draft-servers", "0"), "--draft-servers must be 1 to 64, not 0")
     refused(starsd("model", "--from", "/nonexistent/profile.json"), "cannot read a profile")
     refused(starsd("serve", "--api-key-file", "/nonexistent/key"), "cannot read the API key file")
+    refused(starsd("draft-server", "--recording", "/nonexistent/drafts.json"), "cannot read the recording")
     refused(starsd("target-server", "--bind", "tcp://127.0.0.1:9", "--connect", "tcp://127.0.0.1:9",
                    "--target-engine", "llamacpp", "--target-streams", "64", "--draft-top-k", "4", "--draft-depth", "3"),
             "64 streams leave each stream's draft tree 4 leaves", "--draft-total-tokens")

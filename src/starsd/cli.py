@@ -136,11 +136,14 @@ def cmd_draft_server(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if pair.threads:
         torch.set_num_threads(pair.threads)
-    drafter, tokenizer = load_drafter(pair)
-    if args.recording:
+    recording = None
+    if args.recording:  # before the model loads: a file that cannot be read is refused at once
         from starsd.emulate.draft_host import RecordedDrafter, Recording
 
-        drafter = RecordedDrafter(drafter.model, Recording.load(args.recording))
+        recording = Recording.load(args.recording)
+    drafter, tokenizer = load_drafter(pair)
+    if recording:
+        drafter = RecordedDrafter(drafter.model, recording)
     width = logits_width(drafter.model)
     server = DraftServer(drafter, vocab_fingerprint(tokenizer, width), width, cfg,
                          name=f"starsd-draft:{pair.eagle or pair.draft}{' (recorded)' if args.recording else ''}")

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from starsd.config import DraftConfig, SamplingConfig
+from starsd.errors import SettingError
 from starsd.models.drafter import DraftJob, Drafter, DraftSequence
 from starsd.models.kv import KV
 from starsd.spec.tree import DraftTree
@@ -100,7 +101,10 @@ class Recording:
 
     @classmethod
     def load(cls, path: str | Path) -> Recording:
-        d = json.loads(Path(path).read_text())
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise SettingError(f"cannot read the recording {path}: {e}") from None
         return cls({k: (v[0], v[1]) for k, v in d["chains"].items()}, Cost(**d["cost"]), d["depth"],
                    d["min_path_prob"], [tuple(s) for s in d["samples"]])
 
