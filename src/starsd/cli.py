@@ -237,13 +237,14 @@ def cmd_target_server(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     pair = Pair.load(cfg.target_model(), None, cfg.cache, cfg.threads)
     clients = None
-    if args.connect:  # a draft session for each stream served at once
-        streams = len(pair.target.slots)
+    if args.connect:  # a draft session for each stream served at once, each opened before the next
+        streams = len(pair.target.slots)  # is placed (by the sessions each of several servers holds)
         names = [args.name] if streams == 1 else [f"{args.name}/{i}" for i in range(streams)]
-        clients = [DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, pair.target.width), name,
-                               args.timeout, keys=client_keys) for name in names]
-        for client in clients:
-            client.try_hello()
+        clients = []
+        for name in names:
+            clients.append(DraftClient(args.connect, vocab_fingerprint(pair.tokenizer, pair.target.width), name,
+                                       args.timeout, keys=client_keys))
+            clients[-1].try_hello()
     server = TargetServer(pair, args.bind, clients, draft, args.name, args.served_model_name or cfg.target,
                           insecure=args.insecure, keys=serving_keys)
     if args.metrics_port:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.errors import StarsdError
 from starsd.star import protocol as P
 from starsd.star import security
+from starsd.star.placement import Loads, least_loaded, should_move
 
 
 log = logging.getLogger("starsd.client")
@@ -82,13 +84,23 @@ class DraftClient:
     waiting out timeout_s (which is for a server that is alive but slow).
 
     `address` may name several draft servers, comma-separated: the client talks to one at a time,
-    the first to begin with, and `move()` makes the next one its own (star/remote_drafter.py moves a
-    stream's session there when its server dies or has no room for it)."""
+    to begin with the one holding the fewest sessions (the first listed on a tie), and `move()`
+    makes another its own: star/remote_drafter.py moves a stream's session when its server dies or
+    has no room for it, or when `better()` finds the sessions unevenly spread (star/placement.py)."""
 
     def __init__(self, address: str, fingerprint: str, name: str = "target", timeout_s: float = 60.0,
                  heartbeat_s: float = 0.25, dead_after_s: float = 1.0, keys: ClientKeys = ClientKeys()):
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
         self.address = self.addresses[0]  # the server this client talks to now
+        self.loads: Loads | None = None  # the sessions each of several servers holds
+        if len(self.addresses) > 1:
+            self.loads = Loads(self.addresses, keys)
+            self.loads.start()
+            self.loads.wait_first(dead_after_s)
+            self.address = least_loaded(self.addresses, self.loads.held()) or self.address
+        self._judged = 0  # the last round of loads that better() judged (or, after a Welcome, the round
+        # before which it judges none: the figures do not count this session's own move yet)
+        self._rng = random.Random()
         self.keys = keys  # for a server that requires authentication (star/security.py)
         self.fingerprint = fingerprint
         self.name = name
@@ -126,6 +138,8 @@ class DraftClient:
         welcome = got[0]
         self.tag = welcome.tag
         self.taps = None if welcome.taps is None else tuple(welcome.taps)
+        if self.loads is not None:
+            self._judged = self.loads.rounds + 2
         self._welcome_level_ms = welcome.level_ms
         if self.heartbeat_s > 0:
             if self._heartbeat:
@@ -169,16 +183,31 @@ class DraftClient:
         beat = self._heartbeat
         return bool(self.tag) and beat is not None and beat.tag == self.tag and beat.session_gone
 
-    def move(self) -> str:
-        """Make the next of several servers this client's (round robin): a Bye frees the session on
-        the one it leaves (if it still listens), its heartbeat stops, and the next reopen() says hello
-        at the next. Returns its address."""
-        self.close()
+    def move(self, to: str | None = None) -> str:
+        """Make another of several servers this client's: `to`, else the least loaded of the others
+        that answer, else the next listed. A Bye frees the session on the one it leaves (if it still
+        listens), its heartbeat stops, and the next reopen() says hello at the new one. Returns its
+        address."""
+        self._leave()
         self._heartbeat = None
-        self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+        following = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+        held = self.loads.held() if self.loads is not None else {}
+        self.address = to or least_loaded(self.addresses, held, skip=self.address) or following
         self.sock = self._socket()
         self.tag = 0
         return self.address
+
+    def better(self) -> str | None:
+        """Another server that this client's session should move to, to spread the sessions evenly
+        (placement.should_move), judged once for each new round of the servers' figures; None: stay."""
+        if self.loads is None or not self.tag or self.loads.rounds <= self._judged:
+            return None
+        self._judged = self.loads.rounds
+        held = self.loads.held()
+        other = least_loaded(self.addresses, held, skip=self.address)
+        if other is None or self.address not in held:
+            return None
+        return other if should_move(held[self.address], held[other], self._rng) else None
 
     def reopen(self) -> None:
         """A fresh socket, and a Hello on it for a new session (the old socket's queued messages are
@@ -230,6 +259,12 @@ class DraftClient:
         return (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:
+        self._leave()
+        if self.loads is not None:
+            self.loads.stop()
+
+    def _leave(self) -> None:
+        """The session ends (a Bye, if the server still listens), and with it the heartbeat and the socket."""
         if self._heartbeat:
             self._heartbeat.stop()
         if self.tag:

@@ -161,6 +161,8 @@ class Pong(msgspec.Struct, array_like=True, frozen=True):
     known: bool = True  # whether the server holds session `tag` (a draft server's answer; False after a
     # restart or once the session was freed, so its target opens a new one without waiting for a refusal)
     level_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # a draft server's, as in Welcome, kept fresh
+    sessions: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # the sessions a draft server holds (-1: not
+    # said): its load, by which a target given several servers places its session (star/placement.py)
 
 
 class StatsRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -121,7 +121,8 @@ class RemoteDrafter:
     loses (silent, broken) or cannot hold (`kv_full`, or a hello refused) moves to the next server
     at once: a new hello there, and a reset with the whole accepted prefix, so no token is lost. A
     hello that no Welcome answers within a few heartbeats' silence moves on too; only after every
-    server was tried in a row does the backoff apply."""
+    server was tried in a row does the backoff apply. Where the servers' loads are uneven, a session
+    moves to one holding fewer (star/placement.py), the same way."""
 
     device = torch.device("cpu")  # where the generator of a sampled draft would live: unused, see propose
     BACKOFF_S = (0.5, 30.0)  # first wait before a new hello, and the longest
@@ -133,6 +134,7 @@ class RemoteDrafter:
         self._cohosted = cohosted
         self._place()
         self.moves = 0  # sessions moved to another of several servers
+        self.rebalanced = 0  # of them, moved to spread the sessions evenly (the rest: lost or refused)
         self._tried = 1  # servers tried in a row without a session (a full round: the backoff applies)
         self.timing = Timing()
         self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
@@ -274,6 +276,8 @@ class RemoteDrafter:
         _back() (waiting for the Welcome only with `wait`)."""
         if not self.down and self.client.session_gone():
             self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
+        if not self.down and (to := self.client.better()):
+            self._rebalance(seq, to)
         return not self.down or self._back(seq, wait)
 
     def _lost(self, seq: RemoteSequence, why: DraftServerError) -> None:
@@ -290,6 +294,23 @@ class RemoteDrafter:
         if len(self.client.addresses) > 1 and why.code != "unknown_session":  # a server that answers keeps it
             self._tried = 1
             self._move(f"session lost ({why.code})")
+
+    def _rebalance(self, seq: RemoteSequence, to: str) -> None:
+        """The session moves to a server that holds fewer (star/placement.py): a hello there at once,
+        and a reset with the whole accepted prefix, as after a loss."""
+        left = self.client.address
+        self.client.move(to)
+        self._place()
+        self.moves += 1
+        self.rebalanced += 1
+        self.down = True
+        self._down_at = time.monotonic()
+        seq.pending = 0  # that socket is closed: no reply of it will be read
+        seq.sent = 0
+        self._hello_at = None
+        self._retry_at = 0.0
+        self._tried = 1
+        log.info("%s: the sessions are spread unevenly; this one moves from %s to %s", self.client.name, left, to)
 
     def _back(self, seq: RemoteSequence, wait: bool = True) -> bool:
         """While down: once the server answers pings again and the backoff has passed, send a Hello on

@@ -48,7 +48,8 @@ class DraftServer:
         self.stats = ServerStats()
         self.sessions = Sessions(cfg, drafter, fingerprint, vocab_size, self.stats)
         self.q_in: queue.Queue[Request] = queue.Queue()
-        self.transport = Transport(cfg, self.q_in, self.stats, self.sessions.heartbeat, self._stats_json)
+        self.transport = Transport(cfg, self.q_in, self.stats, self.sessions.heartbeat, self._stats_json,
+                                   lambda: len(self.sessions))
         self.stopping = self.transport.stopping
         self._waiting: list[tuple[Session, Request]] = []  # taken draft requests, oldest first, not yet drafted
         self._deferred: list[Request] = []  # a session's later request waits for its earlier one's batch

@@ -1,0 +1,114 @@
+"""Which of several draft servers a target's session goes to: the one holding the fewest sessions.
+
+A target given several servers (DraftClient's `address`, comma-separated) pings each of them once
+a second on a socket of its own (Loads); every draft server's Pong says how many sessions it holds.
+- A new session opens at the server that holds the fewest, the first in the target's own order on
+  a tie (client.for_target: target i lists server i mod K first, so K servers started together
+  each take a K-th of the targets, as the simulator assigns them: theory/simulate.py).
+- A session that its server loses or cannot hold moves to the least loaded of the others that
+  answer (any next one where none does).
+- Sessions rebalance: a target whose server holds at least two sessions more than another moves
+  there with a probability chosen so that, of all the targets that see the same figures, about
+  half the difference moves (`should_move`). A server that joins or comes back (a restart) takes
+  its share within a few seconds, and no two targets swap places back and forth.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import zmq
+
+from starsd.config import ClientKeys
+from starsd.star import protocol as P
+
+
+class Loads(threading.Thread):
+    """The sessions each of several draft servers holds, as their Pongs said (refreshed every
+    interval_s; a server silent for fresh_s counts as absent)."""
+
+    def __init__(self, addresses: list[str], keys: ClientKeys = ClientKeys(), interval_s: float = 1.0,
+                 fresh_s: float = 3.0):
+        super().__init__(name="starsd-loads", daemon=True)
+        self.addresses = list(addresses)
+        self.keys = keys
+        self.interval_s = interval_s
+        self.fresh_s = fresh_s
+        self.rounds = 0  # rounds of pings whose answers have been read
+        self._seen: dict[str, tuple[int, float]] = {}  # address -> (sessions, monotonic time of the answer)
+        self._first = threading.Event()
+        self._stop_event = threading.Event()
+
+    def held(self) -> dict[str, int]:
+        """Sessions held by each server that answered within fresh_s."""
+        now = time.monotonic()
+        return {a: n for a, (n, at) in list(self._seen.items()) if now - at <= self.fresh_s and n >= 0}
+
+    def wait_first(self, timeout_s: float) -> None:
+        """Until the first round's answers are in (or timeout_s)."""
+        self._first.wait(timeout_s)
+
+    def run(self) -> None:
+        from starsd.star.client import connect  # client.py imports this module
+        ctx = zmq.Context.instance()
+        socks = {a: connect(ctx, a, self.keys, send_hwm=4) for a in self.addresses}  # pings to a dead
+        # server are dropped, not queued up for its successor
+        poller = zmq.Poller()
+        for sock in socks.values():
+            poller.register(sock, zmq.POLLIN)
+        by_sock = {sock: a for a, sock in socks.items()}
+        try:
+            while not self._stop_event.is_set():
+                for sock in socks.values():
+                    try:
+                        sock.send_multipart(P.encode(P.Ping(0, time.time())), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                until = time.monotonic() + self.interval_s
+                answered: set[str] = set()
+                while not self._stop_event.is_set() and (left := until - time.monotonic()) > 0:
+                    for sock, _ in poller.poll(max(1, min(100, int(left * 1e3)))):  # stop() waits 0.1 s at most
+                        address = by_sock[sock]
+                        try:
+                            msg = P.decode(sock.recv_multipart())[0]
+                        except P.ProtocolError:
+                            continue
+                        if isinstance(msg, P.Pong):
+                            self._seen[address] = (msg.sessions, time.monotonic())
+                            answered.add(address)
+                    if len(answered) == len(socks) and not self._first.is_set():
+                        break  # the first round ends as soon as every server has answered
+                self.rounds += 1
+                self._first.set()
+        finally:
+            for sock in socks.values():
+                sock.close(0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2)
+
+
+def least_loaded(order: list[str], held: dict[str, int], skip: str | None = None) -> str | None:
+    """The server holding the fewest sessions among those that answered (the first in `order` on a
+    tie), `skip` left out; None if none answered."""
+    candidates = [a for a in order if a in held and a != skip]
+    return min(candidates, key=lambda a: held[a]) if candidates else None
+
+
+def should_move(mine: int, fewest: int, rng: random.Random) -> bool:
+    """Whether a target whose server holds `mine` sessions (its own among them) moves to one holding
+    `fewest`. Each of the `mine` targets that see these figures moves with probability
+    (mine - fewest) / (2 mine), so about half the difference moves: the two come out even (within
+    one), and a difference of one moves nobody.
+
+    >>> rng = random.Random(0)
+    >>> should_move(3, 2, rng), should_move(1, 0, rng)
+    (False, False)
+    >>> round(sum(should_move(8, 0, rng) for _ in range(8000)) / 1000)  # of 8 on one server, 0 on another
+    4
+    """
+    diff = mine - fewest
+    return diff >= 2 and rng.random() < diff / (2 * mine)

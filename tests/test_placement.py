@@ -1,0 +1,102 @@
+"""Several draft servers: a target's session goes to the one holding the fewest sessions, and the
+sessions spread out again when a server joins (star/placement.py), nothing lost on a move."""
+
+import random
+import time
+
+import pytest
+
+import tiny
+from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
+from starsd.models.loading import logits_width, vocab_fingerprint
+from starsd.models.pair import Pair
+from starsd.spec.decode import speculative, target_only
+from starsd.star.client import DraftClient, for_target, query_stats
+from starsd.star.launch import start_server
+from starsd.star.placement import least_loaded, should_move
+from starsd.star.processes import free_port
+from starsd.star.remote_drafter import RemoteDrafter
+
+DRAFT = DraftConfig(depth=4, adaptive=False)
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    target, draft = tiny.save_pair(tmp_path_factory.mktemp("placement"))
+    local = Pair.load(ModelConfig(target, dtype="float32"), None)
+    return {"pair": PairConfig(draft=draft, dtype="float32", threads=1, draft_quantize="none"), "local": local,
+            "fingerprint": vocab_fingerprint(local.tokenizer, logits_width(local.target.model))}
+
+
+def sessions(address: str) -> int:
+    return query_stats(address)["sessions_open"]
+
+
+def test_the_rule_evens_out_and_leaves_a_difference_of_one():
+    assert least_loaded(["b", "a"], {"a": 1, "b": 1}) == "b"  # a tie: the target's own order
+    assert least_loaded(["b", "a", "c"], {"a": 0, "b": 2}) == "a"  # c did not answer
+    assert least_loaded(["a", "b"], {"a": 0, "b": 2}, skip="a") == "b" and least_loaded(["a"], {}) is None
+    rng = random.Random(1)
+    assert not any(should_move(m, m - 1, rng) or should_move(m, m, rng) for m in range(1, 50))
+    for mine, fewest in ((8, 0), (5, 1), (3, 1)):  # about half the difference moves, of all that see it
+        moved = sum(should_move(mine, fewest, rng) for _ in range(4000 * mine)) / 4000
+        assert abs(moved - (mine - fewest) / 2) < 0.1, (mine, fewest, moved)
+
+
+def test_a_new_session_opens_at_the_server_holding_fewest(rig):
+    a, b = start_server(rig["pair"], ServerConfig()), start_server(rig["pair"], ServerConfig())
+    clients = []
+    try:
+        for _ in range(2):  # two sessions at a, as targets given a alone
+            clients.append(DraftClient(a.address, rig["fingerprint"], "only-a"))
+            clients[-1].hello()
+        clients.append(DraftClient(f"{a.address},{b.address}", rig["fingerprint"], "both"))  # a listed first
+        assert clients[-1].address == b.address
+        clients[-1].hello()
+        assert (sessions(a.address), sessions(b.address)) == (2, 1)
+        clients.append(DraftClient(f"{b.address},{a.address}", rig["fingerprint"], "both-2"))
+        assert clients[-1].address == b.address  # 1 against 2
+    finally:
+        for c in clients:
+            c.close()
+        a.close()
+        b.close()
+
+
+def test_sessions_spread_out_when_a_server_joins_and_nothing_is_lost(rig):
+    """Four targets given two servers while only the first is up all open there. The second starts:
+    within seconds two sessions move to it (each a hello there and a reset with the whole accepted
+    prefix), and every target's output stays target-only decoding's, drafted on both servers."""
+    target = rig["local"].target
+    a = start_server(rig["pair"], ServerConfig())
+    port = free_port()
+    later = f"tcp://127.0.0.1:{port}"
+    listed = f"{a.address},{later}"
+    clients = [DraftClient(for_target(listed, i), rig["fingerprint"], f"t{i}") for i in range(4)]
+    stars = [a]
+    try:
+        for c in clients:
+            assert c.address == a.address  # the other does not answer
+            c.hello()
+        drafters = [RemoteDrafter(c) for c in clients]
+        prompts = [[5 + i, 17, 33, 2] for i in range(4)]
+        seqs = [d.start(p) for d, p in zip(drafters, prompts)]
+        stars.append(start_server(rig["pair"], ServerConfig(), port=port))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (sessions(a.address) == sessions(later) == 2):
+            for d, s in zip(drafters, seqs):  # steps as a decode loop takes them
+                d.propose(s, [7], DRAFT, GREEDY)
+            time.sleep(0.05)
+        assert (sessions(a.address), sessions(later)) == (2, 2)
+        assert sum(d.rebalanced for d in drafters) >= 2 and not any(d.outages for d in drafters)
+        for d, p in zip(drafters, prompts):
+            gen = speculative(target, d, p, 40, DRAFT, GREEDY)
+            assert gen.token_ids == target_only(target, p, 40, GREEDY).token_ids
+            assert any(gen.depths), f"{d.client.name} drafted nothing after the move"
+        assert query_stats(later)["requests"] > 0
+    finally:
+        for c in clients:
+            c.close()
+        for star in stars:
+            star.close()
