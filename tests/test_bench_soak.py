@@ -1,5 +1,6 @@
-"""`starsd bench soak`, short, on tiny models: a real draft server and 8 replay targets in 2 host
-processes for half a minute, with one server kill and restart, one host kill, one stalled target and
+"""`starsd bench soak`, short, on tiny models: two real draft servers and 8 replay targets in 2 host
+processes for half a minute, with one server kill (its targets move to the other) and restart (the
+sessions spread out again), one host kill, one stalled target and
 one round of bad messages; and the arithmetic that decides whether a run passed, which must fail
 a run that lost or changed a token or did not survive a fault."""
 
@@ -94,7 +95,8 @@ def test_soak_short_every_fault_survived_nothing_lost(tmp_path):
     # asking for a draft, so from reconnecting, for up to 256 steps after the server kill: longer than this run.
     run = subprocess.run(
         [sys.executable, "-m", "starsd.cli", "bench", "soak", "--targets", "8", "--hosts", "2", "--duration-s", "36",
-         "--warmup-s", "1", "--recover-s", "8", "--server-kills", "1", "--target-kills", "1", "--slow-targets", "1",
+         "--warmup-s", "1", "--recover-s", "8", "--draft-servers", "2", "--server-kills", "1", "--target-kills", "1",
+         "--slow-targets", "1",
          "--bad-rounds", "1", "--stall-s", "3", "--session-timeout-s", "2", "--sample-s", "1", "--limit", "4",
          "--max-new-tokens", "24", "--latency", str(latency), "--target", target_dir, "--draft", draft_dir,
          "--dtype", "float32", "--draft-quantize", "none", "--threads", "1", "--no-draft-adaptive",
@@ -109,8 +111,11 @@ def test_soak_short_every_fault_survived_nothing_lost(tmp_path):
     assert outputs["complete"] > 8  # every target decoded whole prompts
     bad = result["bad_inputs"]
     assert bad["sent"] >= 15 and bad["error_replies"] == bad["sent"] == bad["as_expected"], bad
-    server = result["draft_server"]
-    assert server["up_at_end"] and server["sessions_open_at_end"] == 0 and len(server["lives"]) == 2
-    assert server["draft_replies"] > 0 and server["rss_start_bytes"] > 0 and server["rss_end_bytes"] > 0
+    end, (first, second) = result["end"], result["draft_servers"]
+    assert end["up_at_end"] and end["sessions_open_at_end"] == [0, 0]
+    assert len(first["lives"]) == 2 and len(second["lives"]) == 1  # the kill took the first
+    assert all(x["draft_replies"] > 0 and x["rss_start_bytes"] > 0 and x["rss_end_bytes"] > 0 for x in (first, second))
+    kill = next(f["figures"] for f in result["faults"] if f["kind"] == "server_kill")
+    assert kill["takeover_s"] < 5 and kill["sessions_after"] == [4, 4], kill  # 4 and 4 again after the restart
     assert result["passed"] and run.returncode == 0, run.stdout[-3000:]
     assert out.with_suffix(".png").stat().st_size > 1000

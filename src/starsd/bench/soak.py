@@ -1,15 +1,20 @@
-"""Soak: one real draft server and many replay targets for a long run, with faults injected along the way.
+"""Soak: real draft servers and many replay targets for a long run, with faults injected along the way.
 
 N replay targets (replay.py: the real target's recorded greedy continuations and its verify
 latency) run in --hosts processes (`starsd replay-targets`), each decoding the recorded prompts in
-a loop against one `starsd draft-server` process for --duration-s. After --warmup-s, faults come
-one at a time, evenly spaced up to --recover-s before the end; each is checked, within --recover-s,
-before the next, so a slow check delays the faults after it (one that would come too late to be
-checked is not injected, and the run fails):
+a loop against --draft-servers `starsd draft-server` processes (every target lists them all:
+star/placement.py) for --duration-s. After --warmup-s, faults come one at a time, evenly spaced up
+to --recover-s before the end; each is checked, within --recover-s, before the next, so a slow
+check delays the faults after it (one that would come too late to be checked is not injected, and
+the run fails):
 
-  server_kill  the draft server is killed (SIGKILL) and a new one started at the same address.
-               Survived: every live target opens a session on the new server (its heartbeat hears
-               the server again and its RemoteDrafter reconnects; meanwhile it decodes alone).
+  server_kill  a draft server (each in turn) is killed (SIGKILL) and a new one started at the same
+               address. Survived, with one server: every live target opens a session on the new
+               server (its heartbeat hears the server again and its RemoteDrafter reconnects;
+               meanwhile it decodes alone). With several: the killed server's targets move their
+               sessions to the others (`takeover_s`: until every live target holds one again),
+               and once it is back the sessions spread out again, no server holding two more
+               than another (`rebalanced_s`).
   target_kill  a replay host process is killed (SIGKILL): its targets never say goodbye. A new host
                is started in its place once they are gone. Survived: the server held every target's
                session before the kill, and frees the dead ones (silent for --session-timeout-s).
@@ -22,9 +27,9 @@ checked is not injected, and the run fails):
 
 What the targets produced is checked against the recording (`tally`): a replay target's greedy
 output must equal the real target's greedy continuation. A run passes when every fault asked for
-was injected and survived, no output differs, no token is lost, no target failed, the server is up
-at the end and every session was freed. Reported beside: draft requests served (over all the
-server's lives), bad inputs sent and Error replies received, the server's resident memory (VmRSS)
+was injected and survived, no output differs, no token is lost, no target failed, the servers are
+up at the end and every session was freed. Reported beside: draft requests served (over all the
+servers' lives), bad inputs sent and Error replies received, each server's resident memory (VmRSS)
 at start and end. Writes JSON, a plot (throughput, sessions, RSS over time, faults marked) and a
 summary; exit code 1 when the run did not pass.
 """
@@ -68,7 +73,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=20.0, help="seconds before the first fault")
     p.add_argument("--recover-s", type=float, default=120.0, help="how long a fault's check waits for recovery; "
                    "faults are spread over the run but this long before its end, and no kill comes later")
-    p.add_argument("--server-kills", type=int, default=2, help="draft server kills (each followed by a restart)")
+    p.add_argument("--draft-servers", type=int, default=1, help="draft servers K; every target lists them all")
+    p.add_argument("--server-kills", type=int, default=2, help="draft server kills (each followed by a restart; with "
+                   "several servers, each in turn)")
     p.add_argument("--target-kills", type=int, default=2, help="replay host processes killed")
     p.add_argument("--bad-rounds", type=int, default=4, help="rounds of malformed and foreign messages")
     p.add_argument("--slow-targets", type=int, default=2, help="targets that stall once between two steps")
@@ -196,9 +203,9 @@ class Server:
         """The running life's counters; None when it does not answer."""
         return query_stats(self.address, "soak", timeout_s)
 
-    def sessions(self) -> int:
+    def sessions(self, timeout_s: float = 10.0) -> int:
         """Sessions open now (-1: no answer)."""
-        stats = self.stats()
+        stats = self.stats(timeout_s)
         return -1 if stats is None else stats["sessions_open"]
 
     def rss(self) -> int | None:
@@ -445,8 +452,9 @@ class Soak:
         self.sizes = shares(args.targets, args.hosts)
         cfg = C.ServerConfig(max_batch=args.max_batch, max_sessions=2 * args.targets + 8,
                              session_timeout_s=args.session_timeout_s)
-        stem = str(args.json_out).rsplit(".", 1)[0]
-        self.server = Server(C.from_args(C.PairConfig, args), cfg, Path(stem + "-server.log"))
+        if args.draft_servers < 1:
+            raise SettingError(f"--draft-servers must be at least 1, not {args.draft_servers}")
+        self.servers = [Server(C.from_args(C.PairConfig, args), cfg, Path(log)) for log in server_logs(args)]
         self.hosts: list[Host] = []
         self.retired: list[Host] = []  # hosts killed
         self.t0 = 0.0  # the release (unix s)
@@ -460,16 +468,31 @@ class Soak:
     def end(self) -> float:
         return self.t0 + self.args.duration_s
 
+    @property
+    def address(self) -> str:
+        """Every server's address, comma-separated: what each target is given."""
+        return ",".join(server.address for server in self.servers)
+
+    def held(self, servers: list[Server] | None = None, timeout_s: float = 10.0) -> list[int]:
+        """The sessions each server holds (of `servers`, default all; -1: no answer)."""
+        return [server.sessions(timeout_s) for server in (self.servers if servers is None else servers)]
+
+    def sessions(self) -> int:
+        """Sessions open on all the servers together (-1: one did not answer)."""
+        held = self.held()
+        return -1 if -1 in held else sum(held)
+
     def host(self, slot: int, life: int, duration_s: float) -> Host:
-        argv = harness.replay_command(self.inputs, self.server.address, self.sizes[slot], self.args.max_new_tokens,
+        argv = harness.replay_command(self.inputs, self.address, self.sizes[slot], self.args.max_new_tokens,
                                       duration_s, self.args.seed + 1000 * slot + life)
         return Host(slot, life, self.sizes[slot], duration_s, argv)
 
     def release(self) -> None:
-        """Start every host and the server (the hosts' hellos wait for it), then release the
+        """Start every host and the servers (the hosts' hellos wait for them), then release the
         targets together."""
         self.hosts = [self.host(slot, 0, self.args.duration_s) for slot in range(len(self.sizes))]
-        self.server.start()
+        for server in self.servers:
+            server.start()
         for h in self.hosts:
             h.ready()
         self.t0 = time.time()
@@ -479,11 +502,12 @@ class Soak:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.args.sample_s):
-            stats = self.server.stats(timeout_s=self.args.sample_s)
-            if stats is not None:
-                self.samples.append({"t": round(time.time() - self.t0, 3), "life": len(self.server.lives) - 1,
-                                     "sessions_open": stats["sessions_open"], "replies": stats["replies"],
-                                     "rss_bytes": self.server.rss()})
+            t = round(time.time() - self.t0, 3)
+            every = [server.stats(timeout_s=self.args.sample_s) for server in self.servers]  # None: down
+            self.samples.append({"t": t, "lives": [len(server.lives) - 1 for server in self.servers],
+                                 "sessions_open": [None if x is None else x["sessions_open"] for x in every],
+                                 "replies": [None if x is None else x["replies"] for x in every],
+                                 "rss_bytes": [server.rss() for server in self.servers]})
 
     def run(self, steps: Steps) -> list[Fault]:
         faults = []
@@ -514,9 +538,23 @@ class Soak:
                 "slow_target": self.args.stall_s + 1.0, "bad_message": 0.0}[kind]
 
     def server_kill(self, fault: Fault, k: int) -> None:
-        self.server.kill()
-        fault.figures["restart_s"] = round(self.server.start(), 2)
-        took = wait_for(lambda: self.server.sessions() == self.args.targets, self.args.recover_s)
+        victim = self.servers[k % len(self.servers)]
+        others = [server for server in self.servers if server is not victim]
+        whole = self.whole()
+        victim.kill()
+        took = None
+        if others:  # every live target holds a session on the others
+            took = wait_for(lambda: covered(self.held(others, 2.0), self.args.targets), self.args.recover_s, 0.1)
+            fault.figures.update(server=k % len(self.servers), whole_before=whole,
+                                 takeover_s=None if took is None else round(took, 2))
+        fault.figures["restart_s"] = round(victim.start(), 2)
+        if others:  # and once it is back, the sessions spread out again
+            spread = wait_for(lambda: even(self.held(timeout_s=2.0), self.args.targets), self.args.recover_s, 0.5)
+            fault.figures.update(rebalanced_s=None if spread is None else round(spread, 2),
+                                 sessions_after=self.held())
+            fault.survived = whole and took is not None and spread is not None
+            return
+        took = wait_for(lambda: self.sessions() == self.args.targets, self.args.recover_s)
         fault.figures["reconnect_s"] = None if took is None else round(took, 2)
         fault.survived = took is not None
 
@@ -525,7 +563,7 @@ class Soak:
         old = self.hosts[slot]
         whole = self.whole()
         old.kill()
-        took = wait_for(lambda: self.server.sessions() == self.args.targets - old.size,
+        took = wait_for(lambda: self.sessions() == self.args.targets - old.size,
                         self.args.session_timeout_s + self.args.recover_s)
         new = self.host(slot, old.life + 1, self.end - time.time())
         new.release_later()  # it joins once started, and ends later than the others by as much
@@ -536,9 +574,9 @@ class Soak:
         fault.survived = whole and took is not None
 
     def whole(self) -> bool:
-        """Whether the server holds a session for every target (waiting up to --recover-s): what a
+        """Whether the servers hold a session for every target (waiting up to --recover-s): what a
         target kill's check counts from."""
-        return wait_for(lambda: self.server.sessions() == self.args.targets, self.args.recover_s) is not None
+        return wait_for(lambda: self.sessions() == self.args.targets, self.args.recover_s) is not None
 
     def slow_target(self, fault: Fault, k: int) -> None:
         running = [h for h in reversed(self.hosts) if h.released]  # the last first: target kills take the first
@@ -558,7 +596,7 @@ class Soak:
     def bad_message(self, fault: Fault, k: int) -> None:
         rec = self.inputs.recording
         prompt = next(iter(rec.prompts.values()))["prompt_ids"]
-        prober = Prober(self.server.address, rec.fingerprint, rec.vocab_size, prompt, self.args.recover_s)
+        prober = Prober(self.servers[0].address, rec.fingerprint, rec.vocab_size, prompt, self.args.recover_s)
         try:
             lines = prober.round()
         finally:
@@ -572,18 +610,20 @@ class Soak:
         fault.survived = fault.figures["error_replies"] == len(bad) and fault.figures["owner_intact"]
 
     def finish(self) -> dict:
-        """Wait for the hosts to end; the server's state at the end."""
+        """Wait for the hosts to end; the servers' state at the end."""
         codes = [h.finish(max(0.0, self.end - time.time()) + 120) for h in self.hosts]
         for h in self.retired:
             h.finish(1)
-        left = wait_for(lambda: self.server.sessions() == 0, self.args.session_timeout_s + 5)
+        left = wait_for(lambda: self.sessions() == 0, self.args.session_timeout_s + 5)
         self._stop.set()
         self._sampler.join(timeout=self.args.sample_s + 15)
-        up = self.server.up()
-        self.server.end_life()
+        up = all(server.up() for server in self.servers)
+        for server in self.servers:
+            server.end_life()
         failures = sum(c != 0 or h.failure is not None for c, h in zip(codes, self.hosts))
         return {"host_failures": failures, "up_at_end": up,
-                "sessions_open_at_end": (self.server.lives[-1]["stats"] or {}).get("sessions_open"),
+                "sessions_open_at_end": [(server.lives[-1]["stats"] or {}).get("sessions_open")
+                                         for server in self.servers],
                 "sessions_freed_at_end": left is not None}
 
     def rows(self) -> list[dict]:
@@ -594,7 +634,29 @@ class Soak:
         for h in (*self.hosts, *self.retired):
             if h.proc.poll() is None:
                 h.kill()
-        self.server.close()
+        for server in self.servers:
+            server.close()
+
+
+def server_logs(args) -> list[str]:
+    """Each draft server's log, beside the JSON."""
+    stem = str(args.json_out).rsplit(".", 1)[0]
+    k = args.draft_servers
+    return [f"{stem}-server.log"] if k == 1 else [f"{stem}-server-{j}.log" for j in range(k)]
+
+
+def covered(held: list[int], targets: int) -> bool:
+    """Whether these servers answered and hold a session for every target between them."""
+    return -1 not in held and sum(held) == targets
+
+
+def even(held: list[int], targets: int) -> bool:
+    """Whether every target holds a session and no server holds two more than another.
+
+    >>> even([4, 4], 8), even([3, 5], 8), even([4, 3], 8), even([-1, 8], 8)
+    (True, False, False, False)
+    """
+    return covered(held, targets) and max(held) - min(held) <= 1
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -619,12 +681,18 @@ def verdict(requested: dict[str, int], faults: list[Fault], outputs: dict, end: 
 
 
 def served(lives: list[dict]) -> int:
-    """Draft replies sent over all the server's lives (as last counted in each)."""
+    """Draft replies sent over all of a server's lives (as last counted in each)."""
     return sum((life["stats"] or {}).get("replies", 0) for life in lives)
 
 
+def per_server(servers: list[Server]) -> list[dict]:
+    return [{"address": server.address, "lives": server.lives, "draft_replies": served(server.lives),
+             "rss_start_bytes": server.lives[0]["rss_start_bytes"], "rss_end_bytes": server.lives[-1]["rss_end_bytes"]}
+            for server in servers]
+
+
 def plot(path: str, soak: Soak, faults: list[Fault], rows: list[dict]) -> None:
-    """Three panels over the run: system tokens/s with the faults marked, sessions open, server RSS."""
+    """Three panels over the run: system tokens/s with the faults marked, sessions open and RSS of each server."""
     x, y = throughput(rows, soak.t0, soak.args.duration_s, max(1.0, soak.args.duration_s / 120))
     marks = {"server_kill": "v", "target_kill": "x", "slow_target": "s", "bad_message": "^"}
     faults_at = []
@@ -632,13 +700,17 @@ def plot(path: str, soak: Soak, faults: list[Fault], rows: list[dict]) -> None:
         at = [f.at_s for f in faults if f.kind == kind]
         faults_at.append({"label": kind, "x": at, "y": [0.0] * len(at), "ls": "none", "marker": marker, "ms": 9})
     t = [s["t"] for s in soak.samples]
+    names = ["draft server"] if len(soak.servers) == 1 else [f"server {j}" for j in range(len(soak.servers))]
+
+    def each(key: str, scale: float = 1.0) -> list[dict]:
+        return [{"label": name, "x": t, "y": [(s[key][j] or 0) / scale for s in soak.samples]}
+                for j, name in enumerate(names)]
+
     panel_plot(path, [
         {"series": [{"label": "tokens/s", "x": x, "y": y}, *faults_at], "xlabel": "seconds",
          "ylabel": "system tokens / s", "title": f"{soak.args.targets} replay targets, faults marked"},
-        {"series": [{"label": "sessions open", "x": t, "y": [s["sessions_open"] for s in soak.samples]}],
-         "xlabel": "seconds", "ylabel": "sessions", "title": "Draft server sessions"},
-        {"series": [{"label": "VmRSS", "x": t, "y": [(s["rss_bytes"] or 0) / 2**20 for s in soak.samples]}],
-         "xlabel": "seconds", "ylabel": "MiB", "title": "Draft server resident memory"},
+        {"series": each("sessions_open"), "xlabel": "seconds", "ylabel": "sessions", "title": "Sessions open"},
+        {"series": each("rss_bytes", 2**20), "xlabel": "seconds", "ylabel": "MiB", "title": "Draft server resident memory"},
     ])
 
 
@@ -650,22 +722,24 @@ def show(result: dict, args, png: str) -> None:
                      recovery(kind, mine)])
     out = result["outputs"]
     bad = result["bad_inputs"]
-    server = result["draft_server"]
+    servers = result["draft_servers"]
     facts = {
-        "served": f"{server['draft_replies']} draft requests, {out['prompts']} prompts ({out['complete']} whole, "
-                  f"{out['cut']} cut by the end), {out['tokens']} tokens",
+        "served": f"{sum(x['draft_replies'] for x in servers)} draft requests, {out['prompts']} prompts "
+                  f"({out['complete']} whole, {out['cut']} cut by the end), {out['tokens']} tokens",
         "outputs": f"{out['differing']} differ from target-only greedy, {out['tokens_lost']} tokens lost, "
                    f"{out['failed']} targets failed",
         "bad inputs": f"{bad['sent']} sent, {bad['error_replies']} Error replies ({bad['as_expected']} with the "
                       f"expected code)",
-        "draft server": f"RSS {mib(server['rss_start_bytes'])} at start, {mib(server['rss_end_bytes'])} at end; "
-                        f"{len(server['lives'])} lives; up at the end: {server['up_at_end']}",
+        **{("draft server" if len(servers) == 1 else f"draft server {j}"):
+           f"RSS {mib(x['rss_start_bytes'])} at start, {mib(x['rss_end_bytes'])} at end; {len(x['lives'])} lives"
+           for j, x in enumerate(servers)},
+        "at the end": f"servers up: {result['end']['up_at_end']}; sessions open: {result['end']['sessions_open_at_end']}",
         "verdict": "PASSED" if result["passed"] else
                    "FAILED: " + ", ".join(k for k, v in result["checks"].items() if not v),
     }
-    summary(f"bench soak: {args.targets} replay targets in {args.hosts} hosts, {args.duration_s:g} s, faults injected",
-            ["fault", "injected", "survived", "recovery"], rows, facts,
-            {"JSON": args.json_out, "plot": png, "server log": str(args.json_out).rsplit(".", 1)[0] + "-server.log"})
+    summary(f"bench soak: {args.targets} replay targets in {args.hosts} hosts, {args.draft_servers} draft server(s), "
+            f"{args.duration_s:g} s, faults injected", ["fault", "injected", "survived", "recovery"], rows, facts,
+            {"JSON": args.json_out, "plot": png, "server logs": ", ".join(server_logs(args))})
 
 
 def mib(nbytes: int | None) -> str:
@@ -676,6 +750,9 @@ def recovery(kind: str, faults: list[dict]) -> str:
     """One kind's recovery figures, the worst of its faults."""
     if not faults:
         return "-"
+    if kind == "server_kill" and "takeover_s" in faults[0]["figures"]:
+        return (f"takeover {longest(faults, 'takeover_s')}, restart {longest(faults, 'restart_s')}, "
+                f"spread again {longest(faults, 'rebalanced_s')}")
     if kind == "server_kill":
         return f"restart {longest(faults, 'restart_s')}, reconnect {longest(faults, 'reconnect_s')}"
     if kind == "target_kill":
@@ -700,7 +777,7 @@ def main(args) -> int:
     total = sum(soak.counts.values())
     try:
         with Steps("bench soak", total + 2) as steps:
-            steps.begin(f"starting the draft server and {args.hosts} replay hosts")
+            steps.begin(f"starting {args.draft_servers} draft server(s) and {args.hosts} replay hosts")
             soak.release()
             steps.end(f"{args.targets} targets released")
             faults = soak.run(steps)
@@ -711,7 +788,6 @@ def main(args) -> int:
         soak.close()
     rows = soak.rows()
     outputs = tally(rows, expected)
-    lives = soak.server.lives
     checks = verdict(soak.counts, faults, outputs, end)
     result = {
         "benchmark": "soak",
@@ -719,8 +795,7 @@ def main(args) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "requested": soak.counts, "faults": [dataclasses.asdict(f) for f in faults],
         "outputs": outputs, "bad_inputs": bad_inputs(faults),
-        "draft_server": {"lives": lives, "draft_replies": served(lives), "rss_start_bytes": lives[0]["rss_start_bytes"],
-                         "rss_end_bytes": lives[-1]["rss_end_bytes"], **end},
+        "draft_servers": per_server(soak.servers), "end": end,
         "timeline": soak.samples, "checks": checks, "passed": all(checks.values()),
     }
     write_json(args.json_out, result)
