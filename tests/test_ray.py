@@ -1,7 +1,8 @@
 """`starsd serve --ray`: a real two-node Ray cluster on this machine, the head in one network
 namespace and a worker node in another (joined by a veth cable), with token authentication on
 both. The draft server must land on the head (its resource) and the targets on the worker; the
-gateway then serves greedy answers equal to target-only decoding, with Ray off the data path."""
+gateway then serves greedy answers equal to target-only decoding, with Ray off the data path. A
+target server killed (kill -9) is started again by its actor at its address, and answers again."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 import tiny
@@ -91,6 +93,22 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
         probed = json.loads(run.stdout)
         assert probed["keyless"] is None  # the star's links take keys: a peer without one gets no answer
         assert "starsd:draft_server_up 1.0" in probed["metrics"]  # the gateway has one: it reads the draft server
+        victim = next(p for p in psutil.process_iter(["cmdline"])
+                      if {"target-server", "target-0"} <= set(p.info["cmdline"] or ()))
+        victim.kill()
+        back = ("import json, time, httpx2 as httpx, openai; base = %r; deadline = time.monotonic() + 120\n"
+                "while time.monotonic() < deadline and not ('process_restarts_total{process=\"target-server\"} 1.0'\n"
+                "        in httpx.get(base + '/metrics').text and httpx.get(base + '/health').json()['targets_up'] == 2):\n"
+                "    time.sleep(0.5)\n"
+                "c = openai.OpenAI(base_url=base + '/v1', api_key='x', max_retries=0)\n"
+                "texts = [c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0).choices[0].text\n"
+                "         for _ in range(3)]\n"
+                "print(json.dumps({'health': httpx.get(base + '/health').json(), 'texts': texts,\n"
+                "                  'metrics': httpx.get(base + '/metrics').text}))" % (f"http://{link.draft_ip}:{port}", PROMPT))
+        run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", back], capture_output=True,
+                             text=True, timeout=200)
+        assert run.returncode == 0, run.stderr[-2000:]
+        after = json.loads(run.stdout)
     finally:
         gateway.send_signal(signal.SIGTERM)
         code = gateway.wait(timeout=90)
@@ -99,4 +117,6 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
                       local.eos_ids)
     assert got["text"] == local.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
     assert got["spec"]["drafts"] > 0  # drafted on the head, verified on the worker
+    assert 'starsd:process_restarts_total{process="target-server"} 1.0' in after["metrics"]
+    assert after["health"]["targets_up"] == 2 and after["texts"] == [got["text"]] * 3
     assert code == 0

@@ -77,7 +77,7 @@ def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: Draft
     try:
         cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address,
                                   keys=star.keys.gateway, draft_keys=star.keys.draft_stats)
-        return serve_remote(cfg, sock)
+        return serve_remote(cfg, sock, restarts=star.restarts)
     finally:
         star.close()
 
@@ -85,7 +85,7 @@ def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: Draft
 def serve_remote(cfg: gateway.GatewayConfig, sock: socket.socket, metrics: dict | None = None,
                  restarts=None) -> int:
     """The gateway alone, on `sock` (gateway.listen); `metrics`: the star's own metrics endpoints,
-    announced in the ready line; `restarts`: a local star's restart counts, for /metrics."""
+    announced in the ready line; `restarts`: the star's restart counts (local or on Ray), for /metrics."""
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
 

@@ -145,7 +145,7 @@ class TargetCollector:
 
 
 class RestartsCollector:
-    """How often a local star started each kind of its processes again (star.supervise.Supervisor)."""
+    """How often a star (local, or on Ray) started each kind of its processes again (star.supervise.Supervisor)."""
 
     KINDS = ("draft-server", "target-server")
 
@@ -154,8 +154,8 @@ class RestartsCollector:
 
     def collect(self):
         counts = self.restarts()
-        family = CounterMetricFamily("starsd:process_restarts", "processes of the local star started again after "
-                                     "they exited", labels=["process"])
+        family = CounterMetricFamily("starsd:process_restarts", "processes of the star started again after they "
+                                     "exited", labels=["process"])
         for kind in self.KINDS:
             family.add_metric([kind], counts.get(kind, 0))
         yield family

@@ -3,8 +3,10 @@ nodes their resources choose, then talk ZeroMQ to each other and to the gateway 
 places and stops them: it stays off the data path (its calls measured 5-20x slower than ZeroMQ).
 
 Each actor starts the same `starsd draft-server` / `starsd target-server` process a local star
-runs, bound to its node's IP; the process dies with its actor. Resources are Ray's: custom ones
-({"draft_host": 1}) or GPUs ({"GPU": 1}); none means anywhere.
+runs, bound to its node's IP, and supervises it as a local star does (star/supervise.py): a process
+that exits is started again with the same command line, so at the same address, where its peers
+find it again. The process dies with its actor; an actor that dies (its node lost) is not replaced.
+Resources are Ray's: custom ones ({"draft_host": 1}) or GPUs ({"GPU": 1}); none means anywhere.
 
 Every link is CurveZMQ-authenticated and encrypted: `StarKeys` makes a fresh set of key pairs for
 each star (the draft server's, one its targets share, the target servers' serving pair and the
@@ -28,6 +30,7 @@ from starsd.star.client import for_target
 from starsd.star.launch import server_command, target_server_command
 from starsd.star.processes import free_port, read_json_line, spawn
 from starsd.star.security import make_keys
+from starsd.star.supervise import Supervisor
 
 
 BIND = "tcp://0.0.0.0:0"  # in a command line: the address the actor picks on its node
@@ -85,10 +88,10 @@ def _ray():
 
 
 class StarProcess:
-    """A Ray actor holding one starsd process on its node."""
+    """A Ray actor holding one starsd process on its node, started again whenever it exits."""
 
     def __init__(self):
-        self.proc = None
+        self.supervisor: Supervisor | None = None
         self.keys = ""
 
     def start(self, argv: list[str], keys: dict[str, str]) -> str:
@@ -99,17 +102,30 @@ class StarProcess:
         address = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         self.keys = _write_keys(keys)
         argv = [address if a == BIND else a.replace(KEYS, self.keys) for a in argv]
-        self.proc = spawn(argv)
-        read_json_line(self.proc, "ready", 900)
+        proc = spawn(argv)
+        read_json_line(proc, "ready", 900)
+        self.supervisor = Supervisor()
+        self.supervisor.watch(argv[0], argv[0], proc)  # by its command: draft-server or target-server
+        self.supervisor.start()
         return address
 
+    def restarts(self) -> dict[str, int]:
+        """Its process's restarts, by kind (Supervisor.counts)."""
+        return {} if self.supervisor is None else self.supervisor.counts()
+
     def stop(self) -> int:
-        if self.keys:  # read by the process at its start
-            shutil.rmtree(self.keys, ignore_errors=True)
-        if self.proc is None or self.proc.poll() is not None:
+        if self.supervisor is None:
             return -1
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
+        self.supervisor.halt()
+        proc = self.supervisor.procs()[0]
+        code = -1
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+        self.supervisor.join()
+        if self.keys:  # read by the process at each start
+            shutil.rmtree(self.keys, ignore_errors=True)
+        return code
 
 
 def _options(resources: dict[str, float]) -> dict:
@@ -160,6 +176,19 @@ class RayStar:
             cls(None, [], actors, keys).close()
             raise
         return cls(draft_address, addresses, actors, keys)
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts of the star's processes by kind, summed over the actors (/metrics); {} if they do
+        not answer within a few seconds."""
+        ray = _ray()
+        total: dict[str, int] = {}
+        try:
+            for counts in ray.get([a.restarts.remote() for a in self.actors], timeout=5):
+                for kind, n in counts.items():
+                    total[kind] = total.get(kind, 0) + n
+        except (ray.exceptions.RayError, TimeoutError):
+            return {}
+        return total
 
     def close(self) -> None:
         ray = _ray()
