@@ -45,23 +45,23 @@ def test_the_rule_evens_out_and_leaves_a_difference_of_one():
 
 
 def test_a_new_session_opens_at_the_server_holding_fewest(rig):
-    a, b = start_server(rig["pair"], ServerConfig()), start_server(rig["pair"], ServerConfig())
+    star = start_server(rig["pair"], ServerConfig(), count=2)  # the two start side by side
+    a, b = star.addresses
     clients = []
     try:
         for _ in range(2):  # two sessions at a, as targets given a alone
-            clients.append(DraftClient(a.address, rig["fingerprint"], "only-a"))
+            clients.append(DraftClient(a, rig["fingerprint"], "only-a"))
             clients[-1].hello()
-        clients.append(DraftClient(f"{a.address},{b.address}", rig["fingerprint"], "both"))  # a listed first
-        assert clients[-1].address == b.address
+        clients.append(DraftClient(f"{a},{b}", rig["fingerprint"], "both"))  # a listed first
+        assert clients[-1].address == b
         clients[-1].hello()
-        assert (sessions(a.address), sessions(b.address)) == (2, 1)
-        clients.append(DraftClient(f"{b.address},{a.address}", rig["fingerprint"], "both-2"))
-        assert clients[-1].address == b.address  # 1 against 2
+        assert (sessions(a), sessions(b)) == (2, 1)
+        clients.append(DraftClient(f"{b},{a}", rig["fingerprint"], "both-2"))
+        assert clients[-1].address == b  # 1 against 2
     finally:
         for c in clients:
             c.close()
-        a.close()
-        b.close()
+        star.close()
 
 
 def test_sessions_spread_out_when_a_server_joins_and_nothing_is_lost(rig):
