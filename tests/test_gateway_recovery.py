@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 import tiny
+from starsd.serve.gateway import draft_server_snapshots
 from starsd.star import protocol as P
 from starsd.star.processes import free_port, read_json_line, spawn
 
@@ -173,3 +174,12 @@ def test_a_reader_that_stops_fails_its_streams_at_once_and_the_link_comes_back(s
             pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_scrape_waits_for_draft_servers_that_are_down_at_once_not_in_turn():
+    """/metrics asks every draft server for its counters; three that do not answer cost one 2 s
+    timeout, not three in a row."""
+    silent = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    t0 = time.monotonic()
+    assert draft_server_snapshots(silent) == [None, None, None]
+    assert time.monotonic() - t0 < 4.0  # in turn: at least 6 s

@@ -10,6 +10,7 @@ time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -54,8 +55,12 @@ class GatewayConfig:
 
 def draft_server_snapshots(addresses: str, keys: ClientKeys = ClientKeys()) -> list[dict | None]:
     """Each draft server's counters (`addresses`: comma-separated), None for one that does not
-    answer within 2 s."""
-    return [query_stats(a, "gateway-metrics", timeout_s=2.0, keys=keys) for a in addresses.split(",") if a]
+    answer within 2 s; asked all at once, so that a scrape takes 2 s at most, however many are down."""
+    listed = [a for a in addresses.split(",") if a]
+    if len(listed) < 2:
+        return [query_stats(a, "gateway-metrics", timeout_s=2.0, keys=keys) for a in listed]
+    with concurrent.futures.ThreadPoolExecutor(len(listed)) as pool:
+        return list(pool.map(lambda a: query_stats(a, "gateway-metrics", timeout_s=2.0, keys=keys), listed))
 
 
 class Gateway:
