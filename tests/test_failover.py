@@ -145,6 +145,29 @@ def test_a_target_given_two_servers_moves_its_session_when_its_server_dies(rig):
         other.close()
 
 
+def test_a_target_that_asks_no_draft_still_moves_off_a_dead_server(rig):
+    """A target decoding alone (its steps ask for no draft, only keep the session up) whose server
+    dies moves its session to the other within seconds, not at its next ask, which may be long
+    after: until then it would hold no session anywhere."""
+    other = start_server(rig.pair_cfg, ServerConfig())
+    rig.client.close()  # both servers empty: the session opens at the first listed
+    client = DraftClient(f"{rig.stars[0].address},{other.address}", rig.client.fingerprint, "t2")
+    try:
+        client.hello()
+        drafter = RemoteDrafter(client)
+        seq = drafter.start([5, 17, 33, 2])
+        rig.kill()
+        deadline = time.monotonic() + 10
+        while (drafter.down or client.address != other.address) and time.monotonic() < deadline:
+            drafter.keep_up(seq)
+            time.sleep(0.05)
+        assert client.address == other.address and not drafter.down and drafter.moves == 1
+        assert query_stats(other.address)["sessions_open"] == 1
+    finally:
+        client.close()
+        other.close()
+
+
 def test_a_hello_refused_for_room_goes_to_the_next_server(rig):
     """The first server has room for no session: a target given two opens its session at the
     second, and drafts there from its first steps."""

@@ -197,6 +197,10 @@ class DraftClient:
         self.tag = 0
         return self.address
 
+    def answers(self) -> bool:
+        """Whether this client's server answered the loads' pings lately (several servers only)."""
+        return self.loads is not None and self.address in self.loads.held()
+
     def better(self) -> str | None:
         """Another server that this client's session should move to, to spread the sessions evenly
         (placement.should_move), judged once for each new round of the servers' figures; None: stay."""

@@ -276,6 +276,9 @@ class RemoteDrafter:
         _back() (waiting for the Welcome only with `wait`)."""
         if not self.down and self.client.session_gone():
             self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
+        if not self.down and not self.client.reachable():  # noticed without a request (a target decoding
+            # alone asks for none), so that its session moves to another server at once, not at its next ask
+            self._lost(seq, DraftServerError("unreachable", f"{self.client.address} answers no heartbeat"))
         if not self.down and (to := self.client.better()):
             self._rebalance(seq, to)
         return not self.down or self._back(seq, wait)
@@ -328,7 +331,9 @@ class RemoteDrafter:
         # of that, to draft this very step
         wait_s = max(0.0, self.client.dead_after_s - (time.monotonic() - self._hello_at)) if wait else 0.0
         several = len(self.client.addresses) > 1
-        patience_s = 4 * self.client.dead_after_s if several else self.client.timeout_s  # another may answer
+        # another server may answer sooner; but one that answers pings is alive and only busy (a hello
+        # is answered between its batches): leaving it would leave a session behind there
+        patience_s = 4 * self.client.dead_after_s if several and not self.client.answers() else self.client.timeout_s
         try:
             welcome = self.client.receive_welcome(wait_s=wait_s)
             given_up = welcome is None and time.monotonic() - self._hello_at > patience_s
