@@ -15,6 +15,14 @@ its first drafted step afterwards. N defaults to 8, at least twice what one serv
 this CPU serves before it saturates (docs/scaling.md). The replay host runs unpinned, at a higher
 priority where this process may give it one (root): its emulated passes sleep, but its
 verification and messages need some of a core, which two busy servers would otherwise not leave.
+
+The simulator's prediction for one and two servers (theory/simulate.py), calibrated apart, as
+`bench scale` calibrates its out-of-sample model: before the three runs, this process measures the
+draft model's S(b) on core 0 at one thread (the service sweep) and the acceptance over the whole
+recording; one server on core 0 then serves one target (its S(1), R and resets), and nothing of the
+N-target runs goes into the profile. The model assumes every step drafts at the depth given: the
+prediction is meant for a fixed depth (--no-draft-adaptive); with the adaptive policy it is
+reported all the same, marked so. --no-model-check skips it.
 """
 
 from __future__ import annotations
@@ -25,10 +33,15 @@ import os
 import statistics
 import time
 
+import torch
+
 from starsd import config as C
-from starsd.bench import harness, metrics
+from starsd.bench import harness, metrics, scale
+from starsd.models.drafter import Drafter
+from starsd.models.loading import load_model
 from starsd.results import Steps, bar_plot, summary, write_json
 from starsd.star.launch import Star, start_server
+from starsd.theory import simulate, sysmodel
 
 
 NICE = ["nice", "-n", "-10"] if os.geteuid() == 0 else []  # the replay host before the servers: it stands for
@@ -38,6 +51,8 @@ NICE = ["nice", "-n", "-10"] if os.geteuid() == 0 else []  # the replay host bef
 def add_args(p: argparse.ArgumentParser) -> None:
     harness.add_star_args(p, "results/servers.json")
     p.add_argument("--kill-at-s", type=float, default=10.0, help="seconds into the window the second server dies")
+    p.add_argument("--no-model-check", dest="model_check", action="store_false",
+                   help="skip the simulator's prediction (its calibration takes a few minutes)")
     p.set_defaults(targets="8", warmup_s=20.0, measure_s=40.0)
 
 
@@ -100,10 +115,60 @@ def takeover(rows: list[dict], n: int, killed_at: float) -> dict:
     # changed token fails the run (run_point raises), so a result means none was
 
 
+def calibrate(args, inputs: harness.Inputs, runner: harness.Runner, steps: Steps) -> sysmodel.Profile:
+    """The simulator's profile from runs apart from the N-target ones: the service sweep and the
+    acceptance in this process pinned to core 0 at one thread, then one target against one server
+    on core 0 (scale.calibrated_profile)."""
+    steps.begin("calibrating the simulator: service sweep and acceptance on core 0")
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    try:
+        pair = C.from_args(C.PairConfig, args)
+        drafter = Drafter(load_model(pair.draft_model(), pair.cache))
+        sweep = harness.measure_service(drafter, inputs.recording, [b for b in (1, 2, 4, 8) if b <= args.max_batch],
+                                        inputs.draft)
+        tokens = harness.measure_acceptance(drafter, inputs.recording, inputs.draft)
+        del drafter
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    steps.end()
+    steps.begin("calibrating the simulator: one target, one server (core 0)")
+    star = servers(args, [0])
+    try:
+        before = harness.server_stats(star.address)
+        point, its = runner.point(star.address, 1)
+        point = {"mode": "batched", **point, "server_work": scale.work_figures(before, harness.server_stats(star.address))}
+    finally:
+        star.close()
+    target_only = {"per_target_tokens_per_s": 1e3 / inputs.latency.mean(1)}  # a replay target decoding alone
+    in_sample = scale.build_profile([point], its, target_only, args.max_batch, modes=("batched",))
+    profile = scale.calibrated_profile([point], {b: v["service_ms"] for b, v in sweep.items()}, in_sample, tokens,
+                                       harness.reset_cost(sweep))
+    steps.end(f"S(1) {profile.service(1):.0f} ms, R {profile.return_ms:.0f} ms, tau {profile.tokens_per_iteration:.2f}")
+    return profile
+
+
+def predictions(profile: sysmodel.Profile, points: dict, n: int, seed: int, adaptive: bool) -> dict:
+    """The simulator's system tokens/s for one and two servers against the measured, and the errors."""
+    out = {"profile": profile.to_json(), "adaptive": adaptive}
+    for name, k in (("one server", 1), ("two servers", 2)):
+        predicted = simulate.simulate(profile, n, servers=k, seed=seed).system_tokens_per_s
+        measured = points[name]["system_tokens_per_s"]
+        out[name] = {"servers": k, "predicted_tokens_per_s": predicted, "measured_tokens_per_s": measured,
+                     "error": predicted / measured - 1}
+    out["max_error"] = max(abs(out[name]["error"]) for name in ("one server", "two servers"))
+    out["two_over_one_predicted"] = (out["two servers"]["predicted_tokens_per_s"]
+                                     / out["one server"]["predicted_tokens_per_s"])
+    return out
+
+
 def run(args, steps: Steps) -> dict:
     inputs = harness.prepare(args)
     runner = harness.Runner(inputs, args, NICE)
     n = harness.numbers(args.targets)[0]
+    profile = calibrate(args, inputs, runner, steps) if args.model_check else None
     out = {}
     for name, cores, kill in (("one server", [0], None), ("two servers", [0, 1], None),
                               ("two servers, one killed", [0, 1], args.kill_at_s)):
@@ -123,16 +188,20 @@ def run(args, steps: Steps) -> dict:
         out[name] = point
         steps.end(f"{name}: {point['system_tokens_per_s']:.2f} tok/s")
     one, two, killed = (out[k]["system_tokens_per_s"] for k in out)
-    return {"replay": {"targets": "replay (remote targets emulated; the draft servers are real)",
-                       "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
-            "settings": {k: v for k, v in vars(args).items() if k != "func"}, "targets": n, "points": out,
-            "checks": {"two_over_one": two / one, "killed_over_one": killed / one,
-                       "two_at_least_1_8x_one": two / one >= 1.8,
-                       "takeover_within_2_s": (out["two servers, one killed"]["takeover"]["gap_max_s"] or 99) <= 2.0}}
+    result = {"replay": {"targets": "replay (remote targets emulated; the draft servers are real)",
+                         "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
+              "settings": {k: v for k, v in vars(args).items() if k != "func"}, "targets": n, "points": out,
+              "checks": {"two_over_one": two / one, "killed_over_one": killed / one,
+                         "two_at_least_1_8x_one": two / one >= 1.8,
+                         "takeover_within_2_s": (out["two servers, one killed"]["takeover"]["gap_max_s"] or 99) <= 2.0}}
+    if profile is not None:
+        result["model"] = predictions(profile, out, n, args.seed, inputs.draft.adaptive)
+        result["checks"]["simulator_within_10pct"] = result["model"]["max_error"] <= 0.10
+    return result
 
 
 def main(args) -> int:
-    with Steps("bench servers", 3, step_s=args.warmup_s + args.measure_s + 20) as steps:
+    with Steps("bench servers", 3 + 2 * args.model_check, step_s=args.warmup_s + args.measure_s + 20) as steps:
         result = run(args, steps)
     write_json(args.json_out, result)
     png = str(args.json_out).rsplit(".", 1)[0] + ".png"
@@ -143,6 +212,12 @@ def main(args) -> int:
     facts = {k: f"{v:.2f}" if isinstance(v, float) else str(v) for k, v in result["checks"].items()}
     facts["takeover"] = (f"{take['moved_targets']} targets moved ({take['moves']} moves), gap from the kill to a "
                          f"drafted step: median {take['gap_median_s']} s, max {take['gap_max_s']} s")
+    if "model" in result:
+        model = result["model"]
+        facts["simulator"] = ", ".join(f"{name}: {model[name]['predicted_tokens_per_s']:.2f} predicted "
+                                       f"({model[name]['error']:+.1%})" for name in ("one server", "two servers"))
+        if model["adaptive"]:
+            facts["simulator"] += " (the model assumes a fixed depth; this run's was adaptive)"
     summary("Several draft servers", ["servers", "system tok/s", "per target", "drafted"],
             [[k, f"{p['system_tokens_per_s']:.2f}", f"{p['per_target_tokens_per_s']:.2f}", f"{p['drafted_share']:.0%}"]
              for k, p in points.items()], facts, {"results": args.json_out, "plot": png})
