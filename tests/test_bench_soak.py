@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import tiny
-from starsd.bench.soak import INTRUDER, KINDS, OWNER, Fault, schedule, script, shares, tally, verdict
+from starsd.bench.soak import INTRUDER, KINDS, OWNER, Fault, even, schedule, script, shares, tally, verdict
 from starsd.emulate.replay import LatencyProfile
 from starsd.star import protocol as P
 
@@ -54,6 +54,13 @@ def test_targets_are_shared_out_over_the_hosts():
     assert shares(64, 8) == [8] * 8 and shares(10, 3) == [4, 3, 3]
     with pytest.raises(ValueError, match="hosts"):
         shares(4, 5)
+
+
+def test_sessions_are_even_when_every_target_holds_one_and_no_server_two_more():
+    assert even([4, 4], 8) and even([3, 3, 2], 8)
+    assert not even([3, 5], 8)  # every target, but uneven
+    assert not even([4, 3], 8)  # even, but a target without a session
+    assert not even([-1, 8], 8)  # a server that did not answer
 
 
 def test_bad_messages_that_the_wire_refuses_are_refused_by_decode():
