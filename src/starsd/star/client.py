@@ -172,9 +172,9 @@ class DraftClient:
         beat = self._heartbeat
         return beat.level_ms if beat is not None and beat.level_ms > 0 else self._welcome_level_ms
 
-    def reachable(self) -> bool:
-        """Whether the server answered a ping within dead_after_s (True without a heartbeat)."""
-        return self._heartbeat is None or self._heartbeat.silent_s() <= self.dead_after_s
+    def reachable(self, patience: float = 1.0) -> bool:
+        """Whether the server answered a ping within patience x dead_after_s (True without a heartbeat)."""
+        return self._heartbeat is None or self._heartbeat.silent_s() <= patience * self.dead_after_s
 
     def session_gone(self) -> bool:
         """Whether the heartbeat's replies say the server no longer holds this client's session: it

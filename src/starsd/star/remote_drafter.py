@@ -276,8 +276,10 @@ class RemoteDrafter:
         _back() (waiting for the Welcome only with `wait`)."""
         if not self.down and self.client.session_gone():
             self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
-        if not self.down and not self.client.reachable():  # noticed without a request (a target decoding
-            # alone asks for none), so that its session moves to another server at once, not at its next ask
+        if not self.down and not self.client.reachable(patience=3.0):  # noticed without a request (a target
+            # decoding alone asks for none), so that its session moves to another server within seconds, not
+            # at its next ask. A request in flight fails after dead_after_s of silence; between requests a
+            # longer one is asked for: a heartbeat thread starved for a moment is no dead server
             self._lost(seq, DraftServerError("unreachable", f"{self.client.address} answers no heartbeat"))
         if not self.down and (to := self.client.better()):
             self._rebalance(seq, to)
