@@ -101,8 +101,8 @@ def test_soak_short_every_fault_survived_nothing_lost(tmp_path):
     # A fixed draft depth: an adaptive target's per-step draft deadline (spec/depth.py) can keep it from
     # asking for a draft, so from reconnecting, for up to 256 steps after the server kill: longer than this run.
     run = subprocess.run(
-        [sys.executable, "-m", "starsd.cli", "bench", "soak", "--targets", "8", "--hosts", "2", "--duration-s", "36",
-         "--warmup-s", "1", "--recover-s", "8", "--draft-servers", "2", "--server-kills", "1", "--target-kills", "1",
+        [sys.executable, "-m", "starsd.cli", "bench", "soak", "--targets", "8", "--hosts", "2", "--duration-s", "40",
+         "--warmup-s", "1", "--recover-s", "15", "--draft-servers", "2", "--server-kills", "1", "--target-kills", "1",
          "--slow-targets", "1",
          "--bad-rounds", "1", "--stall-s", "3", "--session-timeout-s", "2", "--sample-s", "1", "--limit", "4",
          "--max-new-tokens", "24", "--latency", str(latency), "--target", target_dir, "--draft", draft_dir,

@@ -9,9 +9,10 @@ a second on a socket of its own (Loads); every draft server's Pong says how many
   answer (any next one where none does).
 - Sessions rebalance: a target whose server holds at least two sessions more than another moves
   there with a probability chosen so that, of all the targets that see the same figures, about a
-  quarter of the difference moves each second (`should_move`): the difference halves each second,
-  so a server that joins or comes back (a restart) takes its share within a few seconds, and few
-  targets overshoot (each move costs the new server a reset: the whole accepted prefix to ingest).
+  quarter of the difference moves each second, and one at least (`should_move`): a large
+  difference halves each second, so a server that joins or comes back (a restart) takes its share
+  within a few seconds, and few targets overshoot (each move costs the new server a reset: the
+  whole accepted prefix to ingest).
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def least_loaded(order: list[str], held: dict[str, int], skip: str | None = None
 def should_move(mine: int, fewest: int, rng: random.Random) -> bool:
     """Whether a target whose server holds `mine` sessions (its own among them) moves to one holding
     `fewest`. Each of the `mine` targets that see these figures moves with probability
-    (mine - fewest) / (4 mine), so about a quarter of the difference moves, which halves it. Half
-    the difference at once would even the two out on average, but with a binomial's spread about
-    it: from 17 and 15, two movers as often as one, back and forth. A difference of one moves nobody.
+    max(1, (mine - fewest) / 4) / mine, so about a quarter of the difference moves, which halves
+    it, and one target at least, so that the last steps to even do not drag. Half the difference at
+    once would even the two out on average, but with a binomial's spread about it: many targets
+    moving back and forth. A difference of one moves nobody.
 
     >>> rng = random.Random(0)
     >>> should_move(3, 2, rng), should_move(1, 0, rng)
@@ -113,4 +115,4 @@ def should_move(mine: int, fewest: int, rng: random.Random) -> bool:
     2
     """
     diff = mine - fewest
-    return diff >= 2 and rng.random() < diff / (4 * mine)
+    return diff >= 2 and rng.random() < max(1.0, diff / 4) / mine
