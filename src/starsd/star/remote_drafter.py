@@ -163,10 +163,11 @@ class RemoteDrafter:
         # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
         self.cohosted = server_on_this_host(self.client.address) if self._cohosted is None else self._cohosted
 
-    def _move(self, why: str) -> None:
-        """To the next of several servers, at once (a backoff only after a whole round of them)."""
+    def _move(self, why: str, to: str | None = None) -> None:
+        """To another of several servers (`to`, else DraftClient.move's choice), at once (a backoff
+        only after a whole round of them)."""
         left = self.client.address
-        self.client.move()
+        self.client.move(to)
         self._place()
         self.moves += 1
         self._hello_at = None
@@ -303,19 +304,13 @@ class RemoteDrafter:
     def _rebalance(self, seq: RemoteSequence, to: str) -> None:
         """The session moves to a server that holds fewer (star/placement.py): a hello there at once,
         and a reset with the whole accepted prefix, as after a loss."""
-        left = self.client.address
-        self.client.move(to)
-        self._place()
-        self.moves += 1
         self.rebalanced += 1
         self.down = True
         self._down_at = time.monotonic()
         seq.pending = 0  # that socket is closed: no reply of it will be read
         seq.sent = 0
-        self._hello_at = None
-        self._retry_at = 0.0
         self._tried = 1
-        log.info("%s: the sessions are spread unevenly; this one moves from %s to %s", self.client.name, left, to)
+        self._move("the sessions are spread unevenly", to)
 
     def _back(self, seq: RemoteSequence, wait: bool = True) -> bool:
         """While down: once the server answers pings again and the backoff has passed, send a Hello on
