@@ -123,6 +123,8 @@ def test_soak_short_every_fault_survived_nothing_lost(tmp_path):
     assert len(first["lives"]) == 2 and len(second["lives"]) == 1  # the kill took the first
     assert all(x["draft_replies"] > 0 and x["rss_start_bytes"] > 0 and x["rss_end_bytes"] > 0 for x in (first, second))
     kill = next(f["figures"] for f in result["faults"] if f["kind"] == "server_kill")
-    assert kill["takeover_s"] < 5 and kill["sessions_after"] == [4, 4], kill  # 4 and 4 again after the restart
+    # A target notices a silent server within 3 s (1 s with a request in flight) and says hello to the other;
+    # 10 s leaves room for a loaded host (6.7 s was seen in CI) and still catches a target stuck on the dead one.
+    assert kill["takeover_s"] < 10 and kill["sessions_after"] == [4, 4], kill  # 4 and 4 again after the restart
     assert result["passed"] and run.returncode == 0, run.stdout[-3000:]
     assert out.with_suffix(".png").stat().st_size > 1000
