@@ -6,6 +6,7 @@ import time
 import pytest
 
 import tiny
+from preloaded import start_server
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.emulate.delay_proxy import DelayProxy
 from starsd.models.loading import logits_width, vocab_fingerprint
@@ -15,7 +16,6 @@ from starsd.spec.depth import DepthPolicy
 from starsd.spec.drafting import LocalDrafting
 from starsd.star.client import DraftClient, query_stats
 from starsd.star.remote_drafter import RemoteDrafter
-from starsd.star.launch import start_server
 from starsd.star.processes import free_port
 
 DRAFT = DraftConfig(depth=4, adaptive=False)
