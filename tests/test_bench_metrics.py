@@ -181,44 +181,46 @@ def test_acceptance_covers_every_recorded_continuation(tmp_path):
 def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     t, d = tiny.save_pair(tmp_path)
     out = tmp_path / "scale.json"
-    # 13 points (every mode at N = 1 and 3), each a replay host process over warm-up + window: a 1 s
-    # window still holds a dozen or more steps per target; --max-batch 4 (room for N = 3) keeps the
-    # service sweep to batches 1, 2, 4.
+    # 9 points (every mode measured at N = 1 and 3), each a replay host process over warm-up + window: a
+    # 1 s window still holds a dozen or more steps per target; --max-batch 4 (room for N = 3) keeps the
+    # service sweep to batches 1, 2, 4. The serial server and pre-drafting without the adaptive depth
+    # are left out (a server per mode costs time here; the serial server has its own tests).
     cmd = [sys.executable, "-m", "starsd.cli", "bench", "scale", "--target", t, "--draft", d, "--dtype", "float32",
            "--draft-quantize", "none", "--threads", "1", "--targets", "1,3", "--limit", "3", "--max-new-tokens", "24",
            "--warmup-s", "0.5", "--measure-s", "1", "--max-batch", "4", "--cache-dir", str(tmp_path / "cache"),
-           "--json-out", str(out), "--draft-depth", "4", "--fixed-depths", "2"]
+           "--json-out", str(out), "--draft-depth", "4", "--fixed-depths", "2",
+           "--modes", "target-only,single-pair,batched,adaptive,star"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     modes = {(p["mode"], p["n"]) for p in result["points"]}
-    assert modes == {(m, n) for m in ("target-only", "single-pair", "serial", "batched", "adaptive", "predraft",
-                                      "star", "batched-d2") for n in (1, 3)}
+    assert modes == {(m, n) for m in ("target-only", "single-pair", "batched", "adaptive", "star", "batched-d2")
+                     for n in (1, 3)}
     for p in result["points"]:
         assert p["system_tokens_per_s"] > 0 and p["per_target_tokens_per_s"] > 0 and "latency_cv" in p
-        if p["mode"] in ("serial", "batched"):
+        if p["mode"] == "batched":
             assert 0 < p["draft_utilization"] <= 1
             assert p["n_full_measured"] > 0 and p["n_full_predicted"] > 0
             assert p["drafted_share"] > 0.8 and not p["adaptive"]  # a fixed depth asks at every step but the last
         if p["mode"].startswith("batched"):
             assert p["draft_depth"] == {"batched": 4, "batched-d2": 2}[p["mode"]]
-        if p["mode"] in ("serial", "batched", "adaptive", "predraft", "star", "batched-d2"):
-            assert p["predraft"] == (p["mode"] in ("predraft", "star"))
+        if p["mode"] in ("batched", "adaptive", "star", "batched-d2"):
+            assert p["predraft"] == (p["mode"] == "star")
             assert ("predrafting" in p) == p["predraft"]
-        if p["mode"] == "predraft":  # at N = 3 the server is ~80% busy, where pre-drafting (rightly) stops
-            assert (p["predrafting"]["outcomes"] > 0 or p["n"] > 1) and 0 <= p["predrafting"]["hit_rate"] <= 1
+        if p["mode"] == "star":
+            assert p["predrafting"]["outcomes"] >= 0 and 0 <= p["predrafting"]["hit_rate"] <= 1
     checks = result["checks"]
     assert [r["n"] for r in checks["adaptive_vs_best_fixed"]] == [1, 3]
     assert {r["best_fixed_depth"] for r in checks["adaptive_vs_best_fixed"]} <= {2, 4}
-    assert set(checks["per_target_vs_target_only"]) == {"star", "adaptive", "predraft", "batched", "batched-d2", "serial"}
+    assert set(checks["per_target_vs_target_only"]) == {"star", "adaptive", "batched", "batched-d2"}
     oos = checks["out_of_sample"]
     assert set(oos["batched"]["throughput_errors"]) == {"3"} and oos["batched"]["n_full_predicted"] > 0
     assert oos["profile_tokens_per_iteration"] == pytest.approx(statistics.fmean(result["acceptance_tokens"]), abs=1e-3)
     assert oos["batched"]["n_full_measured_iterations"] > 0
     assert checks["predraft_ceiling_n1"] > 1
-    assert [r["n"] for r in checks["predraft_vs_batched"]] == [r["n"] for r in checks["star_vs_adaptive"]] == [1, 3]
+    assert [r["n"] for r in checks["star_vs_adaptive"]] == [1, 3]
     assert "replay" in result["replay"]["targets"]
-    assert set(result["n_full"]) == {"serial", "batched"}
+    assert set(result["n_full"]) == {"batched"}
     assert set(result["service_sweep_ms"]) == {"1", "2", "4"}
     assert result["reset_ms_per_token"] > 0  # a prompt costs the draft something to ingest
     without = checks["out_of_sample_without_resets"]
