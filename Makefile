@@ -29,9 +29,11 @@ models: $(STAMP)
 demo: models
 	$(VENV)/bin/starsd demo --targets 2 --max-tokens 64 --json-out results/demo.json
 
-# The real pair was just fetched: its tests must run, not skip.
+# The real pair was just fetched: its tests must run, not skip. Two at a time, but for the modules
+# that must run alone (tests/conftest.py, ALONE), which run after, one at a time.
 test: models
-	STARSD_REQUIRE_REAL=1 $(PY) -m pytest -q --durations=15
+	STARSD_REQUIRE_REAL=1 $(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "not alone"; a=$$?; \
+	STARSD_REQUIRE_REAL=1 $(PY) -m pytest -q --durations=10 -m alone; b=$$?; test $$a = 0 && test $$b = 0
 
 bench: models
 	$(VENV)/bin/starsd bench colocated --prompts humaneval --limit 16 --json-out results/colocated.json

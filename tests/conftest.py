@@ -11,6 +11,18 @@ from starsd.models.target import TargetModel  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads; idle OpenMP spinners cost a lot
 
+# `make test` runs the other modules two at a time, then these with nothing beside them: they time
+# recoveries, deadlines or a service in seconds, make network namespaces, run a Ray cluster, or
+# hold the real pair in memory on both cores.
+ALONE = {"test_bench_metrics", "test_bench_soak", "test_draft_host", "test_failover", "test_gateway_recovery",
+         "test_netns", "test_placement", "test_ray", "test_real_pair", "test_supervise"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in ALONE:
+            item.add_marker(pytest.mark.alone)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
