@@ -2,7 +2,7 @@
 one that imported torch, transformers and starsd once (multiprocessing's forkserver), instead of a
 fresh interpreter that imports them again (~4 s of a 2-core host's CPU). The child runs the real
 command line (`starsd.cli.main`), in a process of its own: SIGKILL kills it as it kills any server.
-For tests that start and kill many servers (tests/test_failover.py)."""
+For tests that start and kill many servers (tests/test_failover.py, for one)."""
 
 from __future__ import annotations
 

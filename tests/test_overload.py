@@ -10,13 +10,13 @@ import time
 import pytest
 
 import tiny
+from preloaded import start_server
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.spec.decode import speculative, target_only
 from starsd.star.client import DraftClient, DraftServerError
 from starsd.star.remote_drafter import RemoteDrafter
-from starsd.star.launch import start_server
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+import preloaded
 import tiny
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.models.loading import logits_width, vocab_fingerprint
@@ -69,7 +70,7 @@ def test_sessions_spread_out_when_a_server_joins_and_nothing_is_lost(rig):
     within seconds two sessions move to it (each a hello there and a reset with the whole accepted
     prefix), and every target's output stays target-only decoding's, drafted on both servers."""
     target = rig["local"].target
-    a = start_server(rig["pair"], ServerConfig())
+    a = preloaded.start_server(rig["pair"], ServerConfig())
     port = free_port()
     later = f"tcp://127.0.0.1:{port}"
     listed = f"{a.address},{later}"
@@ -82,7 +83,7 @@ def test_sessions_spread_out_when_a_server_joins_and_nothing_is_lost(rig):
         drafters = [RemoteDrafter(c) for c in clients]
         prompts = [[5 + i, 17, 33, 2] for i in range(4)]
         seqs = [d.start(p) for d, p in zip(drafters, prompts)]
-        stars.append(start_server(rig["pair"], ServerConfig(), port=port))
+        stars.append(preloaded.start_server(rig["pair"], ServerConfig(), port=port))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (sessions(a.address) == sessions(later) == 2):
             for d, s in zip(drafters, seqs):  # steps as a decode loop takes them
