@@ -25,6 +25,7 @@ from starsd.star.placement import Loads, least_loaded, should_move
 
 log = logging.getLogger("starsd.client")
 
+SEND_TIMEOUT_MS = 5000  # a send that cannot even be queued (connect(), below)
 # Refusals after which a target decodes alone and asks again later: the server is absent, or full.
 GO_ON_ALONE = ("busy", "unreachable", "timeout", "too_many_sessions", "kv_full", "bad_reply")
 
@@ -42,6 +43,10 @@ def connect(ctx: zmq.Context, address: str, keys: ClientKeys, send_hwm: int = 0)
     `keys` if given); `send_hwm` > 0 bounds the messages it queues while the server is away."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A message that cannot even be queued fails instead of blocking for good: a connection that
+    # ends in a failed handshake (another key, or a server without keys at that address) is dropped
+    # for good, and a DEALER with no connection left takes no message
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
     if send_hwm:
         sock.setsockopt(zmq.SNDHWM, send_hwm)
@@ -274,12 +279,16 @@ class DraftClient:
         if self.tag:
             try:
                 self._send(P.Bye(self.tag))
-            except zmq.ZMQError:
+            except (zmq.ZMQError, DraftServerError):
                 pass
         self.sock.close(linger=100)
 
     def _send(self, msg, tensors=()) -> None:
-        self.sock.send_multipart(P.encode(msg, tensors), copy=False)
+        try:
+            self.sock.send_multipart(P.encode(msg, tensors), copy=False)
+        except zmq.Again:
+            raise DraftServerError("unreachable", f"{self.address} takes no message: no connection (a handshake "
+                                                  "refused for the keys, or nothing listening there)") from None
 
     def _receive(self, want: type, step: int = -1, timeout_s: float | None = None, until: float | None = None):
         """The next message, which must be a `want`; None if `until` (monotonic s) passes first. An
