@@ -22,8 +22,9 @@ the run fails):
                garbage frames, wrong message types, another connection's session tag, out-of-order
                steps. Survived: each gets an Error reply, and the session they aimed at drafts on.
   slow_target  one replay target stalls for --stall-s between two steps, longer than the session
-               timeout (only its heartbeat speaks for it). Survived: it decodes on afterwards, in
-               the session it had (the server did not free it).
+               timeout (only its heartbeat speaks for it). Survived: it decodes on afterwards, and
+               its session was not lost (the server did not free it; with several servers it may
+               have moved meanwhile to even them out: `session_kept` says whether it stayed).
 
 What the targets produced is checked against the recording (`tally`): a replay target's greedy
 output must equal the real target's greedy continuation. A run passes when every fault asked for
@@ -589,9 +590,11 @@ class Soak:
             wait_for(lambda: host.row_after(target, stall["resumed"]) is not None, self.args.recover_s)
         after = None if stall is None else host.row_after(target, stall["resumed"])
         kept = after is not None and stall["session"] != 0 and after["session"] == stall["session"]
+        # with several servers the session may move meanwhile to even out their sessions: a move, not a loss
+        lost = after is None or stall["session"] == 0 or after["outages"] > stall["outages"]
         fault.figures.update(host=host.slot, target=target, stall_s=self.args.stall_s, stalled=stall is not None,
-                             decoded_after=after is not None, session_kept=kept)
-        fault.survived = kept
+                             decoded_after=after is not None, session_kept=kept, session_lost=lost)
+        fault.survived = not lost
 
     def bad_message(self, fault: Fault, k: int) -> None:
         rec = self.inputs.recording

@@ -85,13 +85,14 @@ class Host:
             except (IndexError, ValueError) as e:
                 self._emit({"ignored": line.strip(), "why": str(e)})
 
-    def stall_point(self, i: int, client: DraftClient) -> None:
+    def stall_point(self, i: int, drafter: RemoteDrafter) -> None:
         """Target i is between two steps: stall here if told to."""
         with self.lock:
             seconds = self.stalls.pop(i, 0.0)
         if seconds > 0:
             time.sleep(seconds)
-            self._emit({"stalled": f"replay-{i}", "seconds": seconds, "resumed": time.time(), "session": client.tag})
+            self._emit({"stalled": f"replay-{i}", "seconds": seconds, "resumed": time.time(),
+                        "session": drafter.client.tag, "outages": drafter.outages})
 
     def share(self, i: int) -> list[tuple[str, dict]]:
         """Target i's prompts: every n-th from i for a fixed run; for a timed run, all, starting at i."""
@@ -122,9 +123,9 @@ class Host:
             client.close()
 
     def _decode(self, i: int, name: str, client: DraftClient) -> None:
-        target = StallingTarget(self.recording, self.latency, seed=self.seed * 100_003 + i,
-                                stall=lambda: self.stall_point(i, client), features=self.features(client.taps))
         drafter = RemoteDrafter(client, cohosted=False)  # a target of a host of its own: it computes nothing here
+        target = StallingTarget(self.recording, self.latency, seed=self.seed * 100_003 + i,
+                                stall=lambda: self.stall_point(i, drafter), features=self.features(client.taps))
         policy = DepthPolicy(self.draft.depth)  # one per target: what it learns carries over its prompts
         rng = random.Random(self.seed * 100_003 + i)
         for w in verify_widths(policy.max_depth):  # what a target process measures before its first stream
@@ -151,6 +152,7 @@ class Host:
                     "tokens_per_s": gen.tokens_per_s, "started": started, "finished": time.time(),
                     "trace": gen.trace, "asked": gen.asked, "depths": gen.depths, "verify_ms": target.verify_ms,
                     "draft": t.summary(), "session": client.tag, "server": client.address, "moves": drafter.moves,
+                    "outages": drafter.outages,
                     "requests": {"wall": t.wall, "queue": t.queue, "service": t.service, "batch": t.batch}})
             if not self.duration_s:
                 return
