@@ -43,9 +43,9 @@ def connect(ctx: zmq.Context, address: str, keys: ClientKeys, send_hwm: int = 0)
     `keys` if given); `send_hwm` > 0 bounds the messages it queues while the server is away."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    # A message that cannot even be queued fails instead of blocking for good: a connection that
-    # ends in a failed handshake (another key, or a server without keys at that address) is dropped
-    # for good, and a DEALER with no connection left takes no message
+    # A message that cannot even be queued fails instead of blocking for good. A DEALER queues for a
+    # server that is away or refuses its key (tried); a test's hello once blocked in send all the
+    # same, with no connection taking messages (the cause was not found)
     sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
     if send_hwm:
@@ -287,8 +287,8 @@ class DraftClient:
         try:
             self.sock.send_multipart(P.encode(msg, tensors), copy=False)
         except zmq.Again:
-            raise DraftServerError("unreachable", f"{self.address} takes no message: no connection (a handshake "
-                                                  "refused for the keys, or nothing listening there)") from None
+            raise DraftServerError("unreachable", f"{self.address} takes no message: no connection to it "
+                                                  f"takes one within {SEND_TIMEOUT_MS / 1e3:.0f} s") from None
 
     def _receive(self, want: type, step: int = -1, timeout_s: float | None = None, until: float | None = None):
         """The next message, which must be a `want`; None if `until` (monotonic s) passes first. An
