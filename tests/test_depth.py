@@ -5,6 +5,7 @@ import random
 import pytest
 
 from starsd.config import DraftConfig, SamplingConfig
+from starsd.models.drafter import Drafter
 from starsd.spec.decode import measure_verify, speculative, target_only
 from starsd.spec.depth import Acceptance, Costs, DepthPolicy
 
@@ -226,6 +227,46 @@ def test_no_look_at_a_depth_that_could_not_pay_even_with_every_token_accepted():
     cheap.verify_ms.samples[2] = cheap.verify_ms.samples[1]
     cheap.verify_ms._values = None
     assert any(run(cheap, 256, 0, 0, draft_per_level=60, wait_ms=0, right=3, verify=cheap.verify_ms)[16:])
+
+
+def llamacpp_table() -> Costs:
+    """The 1.5B target on llama.cpp, both cores of this CPU (ms by tokens scored, measured)."""
+    table = Costs(0.0)
+    for w, ms in {1: 31, 2: 50, 4: 85, 8: 148, 12: 178}.items():
+        for _ in range(3):
+            table.add(w, ms)
+    return table
+
+
+def test_no_look_at_a_depth_whose_draft_in_this_process_could_not_pay():
+    """A drafter in this process costs its compute at every look, as a co-hosted server does: on two
+    cores beside a llama.cpp target, the 0.5B draft costs about 40 ms a level against 31 ms for the
+    target's token. Even accepted every time, one drafted token costs 40 + 50 ms for 2 tokens against
+    31 for one alone: no look is made. A server's draft, whose wait may shrink, is still looked at."""
+    inline = DepthPolicy(8, explore=16, verify_ms=llamacpp_table(), inline=True)
+    assert run(inline, 256, 0, 0, draft_per_level=40, wait_ms=0, right=3, verify=inline.verify_ms)[2:].count(0) == 254
+    served = DepthPolicy(8, explore=16, verify_ms=llamacpp_table())
+    assert any(run(served, 256, 0, 0, draft_per_level=40, wait_ms=0, right=3, verify=served.verify_ms)[16:])
+
+
+def test_a_stream_drafting_in_this_process_takes_the_drafters_cost_per_level(tiny_target, tiny_drafters):
+    """A fresh policy drafting in this process (`starsd generate`) knows nothing of what a draft
+    costs, and its first draft's time, which ingested the prompt, tells nothing of it: it took drafts
+    as free and drafted 10 deep at its next draft, a loss on a llama.cpp target. It takes the
+    drafter's own figure per level instead (Drafter.level_ms, measured on its last drafts), before
+    its first step when the drafter has one, else after its first draft."""
+    drafter = Drafter(tiny_drafters["good"].model)
+    prompt = [5, 9, 2, 7, 1]
+    cfg = DraftConfig(depth=4, min_path_prob=0.0)
+    policy = DepthPolicy(4)
+    speculative(tiny_target, drafter, prompt, 12, cfg, SamplingConfig(), policy=policy)
+    assert policy.inline and drafter.levels  # a fresh policy opens at full depth: its first draft fed levels
+    assert policy.draft_ms.prior == pytest.approx(max(1.0, drafter.levels[0]))
+    drafter.levels.extend([250.0] * 9)  # as if its levels had cost 250 ms each of late
+    policy = DepthPolicy(4)
+    gen = speculative(tiny_target, drafter, prompt, 12, cfg, SamplingConfig(), policy=policy)
+    assert policy.draft_ms.prior == pytest.approx(250.0)
+    assert gen.token_ids == target_only(tiny_target, prompt, 12, SamplingConfig()).token_ids
 
 
 def test_no_look_at_drafting_makes_a_cohosted_server_ingest_a_prompt():

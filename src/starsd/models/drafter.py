@@ -26,6 +26,9 @@ feature is its parent's output.
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -167,6 +170,14 @@ class Drafter(LocalDrafting):
         self.model = model
         self.eagle = isinstance(model, EagleHead)
         self.passes: list[Pass] | None = None  # a list: every forward pass's shape is appended to it
+        self.levels: deque[float] = deque(maxlen=9)  # ms a level of each recent draft, past its first level
+
+    @property
+    def level_ms(self) -> float:
+        """What a drafted level has cost of late (the median over the last drafts, each draft's levels
+        after its first: the first comes with ingesting the new tokens, a prompt for a stream's
+        first draft; 0: none drafted yet). A stream drafting here takes it as its prior (spec/decode.py)."""
+        return statistics.median(self.levels) if self.levels else 0.0
 
     @property
     def device(self) -> torch.device:
@@ -234,12 +245,16 @@ class Drafter(LocalDrafting):
             for e, h in zip(expansions, hidden):
                 e.root_feature = h
         _grow(expansions, list(range(len(jobs))), [[ROOT]] * len(jobs), _logits(self.model, hidden))
+        start, fed = time.perf_counter(), 0
         while active := [i for i, e in enumerate(expansions) if e.wants_more()]:
             if stop is not None and stop():
                 break
             batch.retire_all_but(active, expansions)
             parents = [expansions[i].frontier for i in active]
             _grow(expansions, active, parents, _logits(self.model, batch.feed(active, expansions)))
+            fed += 1
+        if fed:
+            self.levels.append((time.perf_counter() - start) * 1e3 / fed)
         batch.retire_all_but([], expansions)
         for job, e in zip(jobs, expansions):
             job.second = e.second

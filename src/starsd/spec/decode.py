@@ -156,6 +156,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     ask_ahead = policy is not None and drafter.asynchronous
     if policy is not None:
         policy.cohosted = drafter.cohosted
+        policy.inline = not drafter.asynchronous
         policy.server_prior(drafter.level_ms)
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
@@ -206,8 +207,10 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                 draft_ms = None
             else:
                 tree = tree.truncate(depth)
-                if not produced:  # the prompt's first draft also ingested the prompt: not what a draft costs
-                    draft_ms = None
+                if not produced:  # the prompt's first draft also ingested the prompt: not what a draft costs,
+                    draft_ms = None  # but its levels tell what one costs a level, until the stream measures it
+                    if policy:  # (a fresh policy co-located took drafts as free, and its next draft went 10 deep)
+                        policy.server_prior(drafter.level_ms)
             if waited_for and depth and policy and len(tree) == 0 and waited_ms >= deadline_ms:
                 policy.missed(depth, waited_ms)
             if not within(tree, width):  # a draft server's bug (or worse) must not reach the target's model

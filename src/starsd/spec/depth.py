@@ -30,7 +30,10 @@ and no wait, a co-hosted server's compute aside: on one core, verifying one draf
 more than two passes of one, and no look at one level can find it paying), and never while a
 co-hosted server holds none of the stream: the look would have it ingest the whole prompt on the
 targets' cores. A target process measures its verify costs by width before its first stream
-(spec/decode.py, `measure_verify`), so that the very first choice weighs a draft against them.
+(spec/decode.py, `measure_verify`), so that the very first choice weighs a draft against them. A
+stream that drafts in its own process (co-located, `inline`) takes the drafter's recent cost per
+level as its prior for a draft, and counts that compute when it weighs a look, as it does a
+co-hosted server's.
 
 The same arithmetic bounds the wait: a draft d deep pays only while it arrives within
 
@@ -223,6 +226,7 @@ class DepthPolicy:
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
     prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
     cohosted: bool = False  # the draft server computes on this host's cores: a draft asked ahead is not free
+    inline: bool = False  # the drafter computes in this process when asked: its wait is its compute, at every look
     holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec/decode.py sets it)
     moves: int = 0  # the drafter's moves to another server, as of the last new_server (spec/decode.py)
     share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
@@ -293,9 +297,13 @@ class DepthPolicy:
         """Whether a draft d deep could beat decoding alone at all: every drafted token accepted and
         no wait for it, only a co-hosted server's compute. A look at a depth that could not only
         measures a loss (on one core of this CPU, a llama.cpp target scored 2 tokens in 119 ms
-        against 51 for one: no draft of one token pays there, whatever its acceptance). The wait is
-        left out: a server that was slow may have freed up, and a look is how a stream finds out."""
-        compute = self.share_ms(d) if self.cohosted else 0.0
+        against 51 for one: no draft of one token pays there, whatever its acceptance). A server's
+        wait is left out: a server that was slow may have freed up, and a look is how a stream finds
+        out. A drafter in this process (`inline`) has no wait but its compute, the same at every
+        look: it counts (co-located with a llama.cpp target on 2 cores here, the 0.5B draft costs
+        about 40 ms a level against 45 for the target's token, and each look cost a 64-token answer
+        about 4% of its time)."""
+        compute = self.share_ms(d) if self.cohosted else self.draft_ms(d) if self.inline else 0.0
         return (1.0 + d) / max(compute + self.verify_ms(d + 1), 1e-6) > self.rate(0)
 
     def first(self, limit: int, behind: float = 1.0, server_ms: float = 0.0) -> int:
@@ -364,7 +372,8 @@ class DepthPolicy:
         return max(gain, self.verify_ms(1), 2.0 * self.draft_ms(d), 1.0)
 
     def server_prior(self, level_ms: float) -> None:
-        """The draft server's own recent time per drafted level (its Welcome; 0: unknown): until this
+        """The draft server's own recent time per drafted level (its Welcome, or a drafter in this
+        process's own figure: Drafter.level_ms; 0: unknown): until this
         stream has measured its drafts, a draft is taken to cost at least that a level to wait for,
         and a co-hosted server's that a level in compute, so a new stream does not open with the
         deepest draft of a server that cannot pay for it."""
