@@ -153,6 +153,24 @@ def test_decodes_alone_on_a_cpu_whose_verify_cost_jumps_after_one_token():
     assert sum(d == 0 for d in chosen[-192:]) >= 176 and any(d > 0 for d in chosen[-192:])
 
 
+def test_one_token_passes_slowed_long_ago_do_not_keep_a_stream_drafting():
+    """A stream's one-token passes were slowed by a draft computed beside them (a server on the same
+    cores): 150 ms each, against 31 ms alone. Weighed against them, a draft at 40 ms a level pays, and
+    a stream that always drafts never measures a one-token pass again: it drafted at about half the
+    speed of decoding alone. Once that figure is old, a look decodes alone, its pass replaces the old
+    ones, and the stream decodes alone from then on."""
+    table = Costs(0.0)  # ms by tokens scored: a target whose wide passes cost little more than one
+    for w, ms in {1: 31, 2: 40, 4: 50, 8: 70, 12: 90}.items():
+        table.add(w, ms)
+    policy = DepthPolicy(8, explore=16)
+    for _ in range(9):
+        policy.verify_ms.add(1, 150.0)
+    # tokens per ms by the drafts' real figures: 1/31 alone, 2/70 at depth 1, 3/105 at 2, 4/137 at 3
+    chosen = run(policy, 192, 0, 0, draft_per_level=30, wait_ms=0, right=3, verify=table)
+    assert chosen[:32].count(0) <= 2  # drafting, by the slowed figure
+    assert chosen[-64:].count(0) >= 56
+
+
 def test_a_streams_second_step_measures_decoding_alone():
     """A stream starts at full depth, and its first pass, 11 tokens on llama.cpp's CPU table (178 ms
     against 31 for one), would stand for a one-token pass too: a draft at 60 ms a level would then

@@ -22,7 +22,9 @@ knows about a depth, the more often it is tried, and once it knows, it keeps to 
 most tokens per millisecond. An unmeasured width
 costs what its nearest measured neighbour costs, so a stream starts at full depth and learns from
 there. Every `explore` steps the policy also looks beside its choice: at decoding alone until that has
-been measured a few times, then one level shallower and one deeper in turn (or, while decoding alone,
+been measured a few times, and again once its figure is old (a stream that always drafts would
+otherwise weigh every draft against passes slowed once, long ago), then one level shallower and one
+deeper in turn (or, while decoding alone,
 at the best draft, twice as rarely after each look that finds decoding alone still better, up to
 16 x explore), so that a width measured slow once, and a draft server that slows down or frees up,
 are noticed. A look at drafting is made only at a depth that could pay (every drafted token accepted
@@ -81,7 +83,8 @@ class Costs:
     `keep` measurements, so that a pass slowed by another process, a page fault or a first call's
     warm-up does not stand for the size's cost. A size measured fewer than `trusted` times counts only
     for the next `window` measurements (a single slow pass at a width not tried again must not rule
-    it out for good); `prior` stands in before any. Between measured sizes a straight line. Beyond them,
+    it out for good), and a size measured again after that long starts afresh; `prior` stands in
+    before any. Between measured sizes a straight line. Beyond them,
     `extend`: "flat" (the nearest measured size's cost: a CPU's matrix kernels make a verify's cost
     anything but a line, measured here: 1 token 619 ms, 2 tokens 1214 ms, 4 tokens 1962 ms, 11
     tokens 2499 ms, so an unmeasured width is taken at its neighbour's cost until tried, which makes
@@ -101,6 +104,8 @@ class Costs:
     _values: dict[int, float] | None = field(default=None, repr=False)  # values() until the next add()
 
     def add(self, x: int, y: float) -> None:
+        if self.stale(x):  # its figures are from another time (another load on the host): the new one replaces them
+            self.samples[x].clear()
         self.samples.setdefault(x, deque(maxlen=self.keep)).append(y)
         self.count += 1
         self.last[x] = self.count
@@ -115,6 +120,10 @@ class Costs:
 
     def measured(self, x: int) -> int:
         return len(self.samples.get(x, ()))
+
+    def stale(self, x: int) -> bool:
+        """Whether size x was measured, but not for the last `window` measurements."""
+        return x in self.last and self.count - self.last[x] >= self.window
 
     def __call__(self, x: float) -> float:
         values = self.values()
@@ -226,7 +235,8 @@ class DepthPolicy:
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
     prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
     cohosted: bool = False  # the draft server computes on this host's cores: a draft asked ahead is not free
-    inline: bool = False  # the drafter computes in this process when asked: its wait is its compute, at every look
+    inline: bool = False  # drafts are computed when asked and waited for (a drafter in this process, or a
+    # server sharing its cores: never asked ahead): a draft's wait is its compute, the same at every look
     holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec/decode.py sets it)
     moves: int = 0  # the drafter's moves to another server, as of the last new_server (spec/decode.py)
     share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
@@ -353,8 +363,9 @@ class DepthPolicy:
                 if self.could_pay(look) and (self.holds or not self.cohosted):
                     self.idle_looks += 1
                     best = look
-            elif self.verify_ms.measured(1) < 3:  # decoding alone, to compare with: measured little yet
-                best = 0
+            elif self.verify_ms.measured(1) < 3 or self.verify_ms.stale(1):  # decoding alone, to compare
+                best = 0  # with: measured little yet, or long ago (one-token passes slowed by a draft computed
+                # beside them, then never measured again while drafting, made a stream draft at 0.5x alone)
             else:  # the costs of the widths beside: a pass slowed once must not rule a width out for good
                 best = [best - 1, min(limit, best + 1)][self.looks % 2]
                 self.looks += 1
