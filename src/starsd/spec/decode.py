@@ -183,6 +183,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         elif taps is not None and len(prompt_ids) < 2:
             depth = 0  # one token has no feature before it: nothing for a head to draft from yet
         draft_ms = None
+        asked = None  # the depth asked of a draft this step waited for
         ahead = (policy.ahead(budget - 1, drafter.lateness, drafter.server_ms)
                  if ask_ahead and depth == 0 and produced else 0)
         if depth > 0 or ahead:
@@ -207,6 +208,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                 draft_ms = None
             else:
                 tree = tree.truncate(depth)
+                asked = depth
                 if not produced:  # the prompt's first draft also ingested the prompt: not what a draft costs,
                     draft_ms = None  # but its levels tell what one costs a level, until the stream measures it
                     if policy:  # (a fresh policy co-located took drafts as free, and its next draft went 10 deep)
@@ -225,7 +227,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         verdict = verify(tree, logits, sampling, verify_gen)
         if policy:  # a pass shared with other streams costs this one its share (models/llamacpp.py)
             verify_ms = seq.pass_ms if seq.pass_ms is not None else (time.perf_counter() - t_verify) * 1e3
-            policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1, verify_ms, share)
+            policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1, verify_ms, share, asked)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         produced += len(emitted)
         yield Step(emitted, verdict.num_accepted, tree.depth(), depth or ahead, time.time())

@@ -7,9 +7,13 @@ co-located draft model's passes), verifies the root and the draft in verify_ms(w
 the accepted tokens and one more. The policy takes the depth with the most tokens per millisecond:
 
     rate(0) = 1 / verify_ms(1)
-    rate(d) = (1 + accepted(d)) / (draft_ms(d) + verify_ms(d + 1))
+    rate(d) = (1 + accepted(d)) / (draft_ms(levels(d)) + verify_ms(levels(d) + 1))
 
-where accepted(d) = sum over k <= d of P(the first k drafted tokens are accepted). Both costs and
+where accepted(d) = sum over k <= d of P(the first k tokens drafted and accepted), and levels(d) the
+levels a draft asked d deep is expected to have: a chain stops short of d where the draft is unsure
+(min_path_prob), so that a deep ask costs what the drafts it gets cost (`expect`). How often a draft
+goes on past each level is learnt too, apart for drafts accepted so far (confident drafts both run
+long and are accepted: taken as independent, deep asks looked poor). Both costs and
 acceptance are learnt from this stream's own steps, and robustly: a cost is the median of its size's
 recent measurements (one pass slowed by another process or by a first call's warm-up must not steer
 the stream for good); draft_ms is a line in d through them (a queueing wait plus a cost per level),
@@ -221,6 +225,9 @@ class DepthPolicy:
     max_depth: int
     explore: int = 16  # steps between looks beside the choice
     acceptance: Acceptance = None
+    reach: Acceptance = None  # whether a draft went on past each level where it was asked to (a chain stops
+    # short where its path probability falls below min_path_prob): position k, from level k + 1 to k + 2
+    onward: Acceptance = None  # the same, of drafts whose levels up to there were all accepted
     draft_ms: Costs = None
     verify_ms: Costs = None
     rng: random.Random = field(default_factory=lambda: random.Random(0))  # the Thompson draws
@@ -243,6 +250,8 @@ class DepthPolicy:
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
+        self.reach = self.reach or Acceptance(self.max_depth, prior=1.0)  # until seen: every draft as deep as asked
+        self.onward = self.onward or Acceptance(self.max_depth, prior=1.0)
         # Priors that make speculating look worth it until measured: drafts cheap, verify flat.
         draft_ms, share_ms = server_costs()
         self.draft_ms = self.draft_ms or draft_ms
@@ -250,11 +259,32 @@ class DepthPolicy:
         self.share_ms = self.share_ms or share_ms
         self.chosen = self.max_depth
 
+    def expect(self, d: int, rates: list[float] | None = None) -> tuple[float, float]:
+        """(levels drafted, tokens accepted) expected of a draft asked d deep, by the acceptance `rates`
+        (else their means): a draft may stop short of d by its own confidence (min_path_prob), at each
+        level as often as the stream's drafts have. A confident draft then runs deep where an unsure
+        one stops at a level or two: a deep ask costs what the drafts it gets cost, not d levels each
+        (co-located on transformers, asks weighed at d levels kept a stream 2-3 deep where the drafts
+        ran 6-10 when let, 0.85x transformers' assisted generation)."""
+        go, on = self.reach.rates(), self.onward.rates()
+        acc = rates or self.acceptance.rates()
+        reached = run = 1.0  # P(level k drafted), P(levels 1..k drafted and accepted)
+        levels = accepted = 0.0
+        for k in range(min(d, self.max_depth)):
+            if k:  # a draft whose levels were accepted goes on more often than one that was not: both
+                reached *= go[k - 1]  # are confident; so what it costs and what it yields are
+                run *= on[k - 1]  # estimated apart
+            run *= acc[k]
+            levels += reached
+            accepted += run
+        return levels, accepted
+
     def rate(self, d: int, rates: list[float] | None = None) -> float:
-        """Expected tokens per millisecond at depth d (by the acceptance `rates`, else their means)."""
+        """Expected tokens per millisecond of a draft asked d deep (by the acceptance `rates`, else their means)."""
         if d == 0:
             return 1.0 / max(self.verify_ms(1), 1e-6)
-        return (1.0 + self.acceptance.expected(d, rates)) / max(self.draft_ms(d) + self.verify_ms(d + 1), 1e-6)
+        levels, accepted = self.expect(d, rates)
+        return (1.0 + accepted) / max(self.draft_ms(levels) + self.verify_ms(levels + 1), 1e-6)
 
     def here(self, d: int) -> float:
         """Expected tokens per millisecond of verifying a draft d deep that is already here (no wait)."""
@@ -267,7 +297,8 @@ class DepthPolicy:
         server's compute on it counted."""
         if d == 0 or not self.cohosted:
             return self.here(d)
-        return (1.0 + self.acceptance.expected(d)) / max(self.share_ms(d) + self.verify_ms(d + 1), 1e-6)
+        levels, accepted = self.expect(d)
+        return (1.0 + accepted) / max(self.share_ms(levels) + self.verify_ms(levels + 1), 1e-6)
 
     def deepest(self, limit: int, value) -> int:
         """The depth, at most `limit` (and max_depth) deep, 0 included, with the most tokens per
@@ -379,7 +410,8 @@ class DepthPolicy:
         gain is computed on), and its try must last long enough to measure a round trip (a shorter
         wait would only ever measure itself). A draft that is late beyond all of these is one that
         came much slower than its server has been."""
-        gain = (1.0 + self.acceptance.expected(d)) * self.verify_ms(1) - self.verify_ms(d + 1)
+        levels, accepted = self.expect(d)
+        gain = (1.0 + accepted) * self.verify_ms(1) - self.verify_ms(levels + 1)
         return max(gain, self.verify_ms(1), 2.0 * self.draft_ms(d), 1.0)
 
     def server_prior(self, level_ms: float) -> None:
@@ -426,13 +458,17 @@ class DepthPolicy:
         self.misses += 1
 
     def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float,
-                share: tuple[int, float] | None = None) -> None:
+                share: tuple[int, float] | None = None, asked: int | None = None) -> None:
         """One step: a draft `depth` deep (0: none) waited for draft_ms (None: it was asked at an
         earlier step and waited for by none), verified `width` tokens (root and draft) in verify_ms
         and had `accepted` tokens accepted. `share`: (levels drafted, ms), a co-hosted server's
-        compute on this step's draft."""
+        compute on this step's draft. `asked`: the depth this draft was asked for, where it was
+        asked for this step (a draft shorter than that stopped by its own confidence)."""
         if share is not None and share[0] > 0:
             self.share_ms.add(*share)
+        if depth > 0 and asked:
+            self.reach.add(asked - 1, depth - 1)
+            self.onward.add(min(accepted, asked - 1), depth - 1)
         if depth > 0:
             self.acceptance.add(depth, accepted)
             if draft_ms is not None and math.isfinite(draft_ms):
