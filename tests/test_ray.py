@@ -2,7 +2,9 @@
 namespace and a worker node in another (joined by a veth cable), with token authentication on
 both. The draft server must land on the head (its resource) and the targets on the worker; the
 gateway then serves greedy answers equal to target-only decoding, with Ray off the data path. A
-target server killed (kill -9) is started again by its actor at its address, and answers again."""
+target server killed (kill -9) is started again by its actor at its address, and answers again.
+The worker node then dies (every process of it killed) and a new one joins: Ray starts the target
+actors again there, at new addresses, and the gateway serves through them."""
 
 import json
 import os
@@ -40,12 +42,16 @@ def cluster(tmp_path_factory):
     nodes = [(link.draft_ns, ["--head", "--port", "6379", "--resources", '{"draft_host": 1}',
                               "--include-dashboard=false"], link.draft_ip),
              (link.target_ns, ["--address", head, "--resources", '{"target_host": 2}'], link.target_ip)]
+
+    def start(ns, args, ip):
+        run = subprocess.run([*link.exec_argv(ns), RAY, "start", *args, "--node-ip-address", ip, "--num-cpus", "1",
+                              "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr[-2000:]
+
     try:
-        for ns, args, ip in nodes:
-            run = subprocess.run([*link.exec_argv(ns), RAY, "start", *args, "--node-ip-address", ip, "--num-cpus", "1",
-                                  "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
-            assert run.returncode == 0, run.stderr[-2000:]
-        yield {"link": link, "env": env, "head": head, "root": root}
+        for node in nodes:
+            start(*node)
+        yield {"link": link, "env": env, "head": head, "root": root, "new_worker": lambda: start(*nodes[1])}
     finally:  # both nodes stopped at once: each `ray stop` waits seconds for its node's processes
         stops = [subprocess.Popen([*link.exec_argv(ns), RAY, "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL) for ns, _, _ in nodes]
@@ -109,6 +115,22 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
                              text=True, timeout=200)
         assert run.returncode == 0, run.stderr[-2000:]
         after = json.loads(run.stdout)
+        lose_node(link.target_ip)  # the worker node dies with its actors and their target servers
+        cluster["new_worker"]()  # another joins
+        moved = ("import json, time, httpx2 as httpx, openai; base = %r; deadline = time.monotonic() + 240\n"
+                 "while time.monotonic() < deadline and httpx.get(base + '/health').json()['targets_up'] < 2:\n"
+                 "    time.sleep(0.5)\n"
+                 "c = openai.OpenAI(base_url=base + '/v1', api_key='x', max_retries=0)\n"
+                 "texts = [c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0).choices[0].text\n"
+                 "         for _ in range(3)]\n"
+                 "print(json.dumps({'health': httpx.get(base + '/health').json(), 'texts': texts}))"
+                 % (f"http://{link.draft_ip}:{port}", PROMPT))
+        run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", moved], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        relocated = json.loads(run.stdout)
+        serving = [a for p in psutil.process_iter(["cmdline"]) if "target-server" in (p.info["cmdline"] or ())
+                   for a in p.info["cmdline"] if a.startswith("tcp://") and a in ready["targets"]]
     finally:
         gateway.send_signal(signal.SIGTERM)
         code = gateway.wait(timeout=90)
@@ -119,4 +141,18 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
     assert got["spec"]["drafts"] > 0  # drafted on the head, verified on the worker
     assert 'starsd:process_restarts_total{process="target-server"} 1.0' in after["metrics"]
     assert after["health"]["targets_up"] == 2 and after["texts"] == [got["text"]] * 3
+    assert relocated["health"]["targets_up"] == 2 and relocated["texts"] == [got["text"]] * 3
+    assert not serving  # none of the target servers now serving is at an address of the lost node's
     assert code == 0
+
+
+def lose_node(ip: str) -> None:
+    """Kill -9 every process of the Ray node at `ip` (its raylet, its workers, the actors' processes):
+    `ray stop` would take every node of this machine, the head's too."""
+    mine = [p for p in psutil.process_iter(["cmdline"]) if any(ip in a for a in p.info["cmdline"] or ())]
+    for p in mine:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(mine, timeout=30)

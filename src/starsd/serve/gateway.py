@@ -285,9 +285,11 @@ def read_api_key(api_key: str, api_key_file: str) -> str:
     return key
 
 
-def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None) -> None:
+def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None, moves=None) -> None:
     """Serve on `sock` (from listen) until SIGINT or SIGTERM, then return: first every target must
-    describe itself, then uvicorn serves. uvicorn shuts down gracefully on either signal and then
+    describe itself, then uvicorn serves. `moves`, if given, is called once the targets are in, with a
+    function moved(old, new) to call from any thread when a target server's address changes (a Ray
+    actor started again on another node). uvicorn shuts down gracefully on either signal and then
     raises it again with the handler it found: that one is made a no-op, so the caller's cleanup
     runs and the process exits 0."""
     import signal
@@ -300,6 +302,9 @@ def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None) -
 
     async def main():
         await gateway.open()
+        if moves:
+            loop = asyncio.get_running_loop()
+            moves(lambda old, new: loop.call_soon_threadsafe(gateway.pool.readdress, old, new))
         server = uvicorn.Server(uvicorn.Config(make_app(gateway), log_level="warning", lifespan="off"))
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -77,15 +77,16 @@ def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: Draft
     try:
         cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address,
                                   keys=star.keys.gateway, draft_keys=star.keys.draft_stats)
-        return serve_remote(cfg, sock, restarts=star.restarts)
+        return serve_remote(cfg, sock, restarts=star.restarts, moves=star.watch)
     finally:
         star.close()
 
 
 def serve_remote(cfg: gateway.GatewayConfig, sock: socket.socket, metrics: dict | None = None,
-                 restarts=None) -> int:
+                 restarts=None, moves=None) -> int:
     """The gateway alone, on `sock` (gateway.listen); `metrics`: the star's own metrics endpoints,
-    announced in the ready line; `restarts`: the star's restart counts (local or on Ray), for /metrics."""
+    announced in the ready line; `restarts`: the star's restart counts (local or on Ray), for /metrics;
+    `moves`: what tells the gateway of targets at new addresses (RayStar.watch; gateway.run)."""
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
 
@@ -95,5 +96,5 @@ def serve_remote(cfg: gateway.GatewayConfig, sock: socket.socket, metrics: dict 
         print(f"serving the star on http://{host}:{port}/v1 ({len(cfg.targets)} targets); Ctrl-C stops it",
               file=sys.stderr, flush=True)
 
-    gateway.run(cfg, sock, on_ready=ready, restarts=restarts)
+    gateway.run(cfg, sock, on_ready=ready, restarts=restarts, moves=moves)
     return 0

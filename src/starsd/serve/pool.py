@@ -9,7 +9,8 @@ streams than it serves at once.
 
 A target whose connection drops (its process died: the socket monitor reports the disconnect) is
 taken out of service at once, and the stream it held fails with `target_lost`; when a target
-server answers at the address again, it describes itself and rejoins the pool. A target that is
+server answers at the address again, it describes itself and rejoins the pool (one that moved to
+another address, as a Ray actor started again on another node does, is told by `readdress`). A target that is
 connected but sends nothing for step_timeout_s fails its stream (`timeout`), is taken out of
 service and asked whether it is alive, with backoff: it rejoins as soon as it answers and holds no
 stream. A refusal names the stream it refuses, so it ends that stream and nothing else.
@@ -217,6 +218,7 @@ class Pool:
 
     def __init__(self, addresses: list[str], max_queue: int, step_timeout_s: float, keys: GatewayKeys = GatewayKeys()):
         self.ctx = zmq.asyncio.Context()
+        self.keys = keys
         self.links = [TargetLink(self.ctx, a, keys) for a in addresses]
         self.max_queue = max_queue
         self.step_timeout_s = step_timeout_s  # longest wait for a target's next Output (a prefill included)
@@ -325,8 +327,28 @@ class Pool:
 
     def _release(self, link: TargetLink, stream_id: int) -> None:
         link.streams.pop(stream_id, None)
-        if link not in self.failed:
+        if link in self.links and link not in self.failed:  # (not a link replaced meanwhile: readdress)
             self.idle.put(link)
+
+    def readdress(self, old: str, new: str) -> None:
+        """The target server at `old` runs at `new` now (its Ray actor was started again on another
+        node: star/ray_cluster.py): its streams fail (`target_lost`), its link is closed, and one to
+        `new` is asked until it answers, then takes requests in its place."""
+        link = next((x for x in self.links if x.address == old), None)
+        if link is None:
+            return
+        log.error("target %s moved from %s to %s: out of service until it answers there", link.name, old, new)
+        self._out_of_service(link)
+        link._on_change = None  # lost for good: nothing revives it
+        link._lose(f"it moved to {new}")
+        if (task := self._reviving.pop(link, None)) is not None:
+            task.cancel()
+        link.close()
+        fresh = TargetLink(self.ctx, new, self.keys)
+        self.links[self.links.index(link)] = fresh
+        self.failed[self.failed.index(link)] = fresh
+        fresh.watch(self._changed)
+        self._revive(fresh)
 
     def _out_of_service(self, link: TargetLink) -> None:
         if link not in self.failed:

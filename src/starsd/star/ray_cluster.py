@@ -5,8 +5,12 @@ places and stops them: it stays off the data path (its calls measured 5-20x slow
 Each actor starts the same `starsd draft-server` / `starsd target-server` process a local star
 runs, bound to its node's IP, and supervises it as a local star does (star/supervise.py): a process
 that exits is started again with the same command line, so at the same address, where its peers
-find it again. The process dies with its actor; an actor that dies (its node lost) is not replaced.
-Resources are Ray's: custom ones ({"draft_host": 1}) or GPUs ({"GPU": 1}); none means anywhere.
+find it again. The process dies with its actor. An actor lost with its node is started again by
+Ray (`max_restarts`) on a node its resources allow, once there is one: its process then runs at a
+new address, and `RayStar.watch` tells the gateway, which serves through it from then on. A draft
+server's actor comes back the same way, but its targets still list its old address (they decode
+alone, or draft on the star's other draft servers). Resources are Ray's: custom ones
+({"draft_host": 1}) or GPUs ({"GPU": 1}); none means anywhere.
 
 Every link is CurveZMQ-authenticated and encrypted: `StarKeys` makes a fresh set of key pairs for
 each star (the draft server's, one its targets share, the target servers' serving pair and the
@@ -18,10 +22,12 @@ gateway in the driver gets its own. So the nodes' addresses are bound with keys,
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from starsd.config import ClientKeys, DraftConfig, GatewayKeys, PairConfig, ServerConfig, ServingKeys, to_flags
@@ -35,6 +41,8 @@ from starsd.star.supervise import Supervisor
 
 BIND = "tcp://0.0.0.0:0"  # in a command line: the address the actor picks on its node
 KEYS = "@KEYS@"  # in a command line: the directory the actor wrote its key files to
+
+log = logging.getLogger("starsd.ray")
 
 
 class StarKeys:
@@ -88,34 +96,36 @@ def _ray():
 
 
 class StarProcess:
-    """A Ray actor holding one starsd process on its node, started again whenever it exits."""
+    """A Ray actor holding one starsd process on its node, started again whenever it exits. Ray
+    constructs it again on another node when its node is lost: the process then starts there."""
 
-    def __init__(self):
-        self.supervisor: Supervisor | None = None
-        self.keys = ""
-
-    def start(self, argv: list[str], keys: dict[str, str]) -> str:
+    def __init__(self, argv: list[str], keys: dict[str, str]):
         """Start `starsd ARGV` with BIND in it replaced by tcp://NODE_IP:PORT (a free port of this
-        node) and KEYS by the directory of its `keys` (StarKeys.files); return that address once
-        the process is ready."""
+        node) and KEYS by the directory of its `keys` (StarKeys.files), and wait until it is ready."""
         ray = _ray()
-        address = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        self.address = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         self.keys = _write_keys(keys)
-        argv = [address if a == BIND else a.replace(KEYS, self.keys) for a in argv]
+        argv = [self.address if a == BIND else a.replace(KEYS, self.keys) for a in argv]
         proc = spawn(argv)
-        read_json_line(proc, "ready", 900)
+        try:
+            read_json_line(proc, "ready", 900)
+        except BaseException:
+            proc.kill()
+            shutil.rmtree(self.keys, ignore_errors=True)
+            raise
         self.supervisor = Supervisor()
         self.supervisor.watch(argv[0], argv[0], proc)  # by its command: draft-server or target-server
         self.supervisor.start()
-        return address
+
+    def where(self) -> str:
+        """The address its process serves at."""
+        return self.address
 
     def restarts(self) -> dict[str, int]:
         """Its process's restarts, by kind (Supervisor.counts)."""
-        return {} if self.supervisor is None else self.supervisor.counts()
+        return self.supervisor.counts()
 
     def stop(self) -> int:
-        if self.supervisor is None:
-            return -1
         self.supervisor.halt()
         proc = self.supervisor.procs()[0]
         code = -1
@@ -129,9 +139,11 @@ class StarProcess:
 
 
 def _options(resources: dict[str, float]) -> dict:
-    """Ray actor options for these resources ("GPU" and "CPU" are Ray's own arguments)."""
-    opts = {"num_cpus": resources.get("CPU", 0), "resources": {k: v for k, v in resources.items()
-                                                             if k not in ("GPU", "CPU")}}
+    """Ray actor options for these resources ("GPU" and "CPU" are Ray's own arguments); an actor lost
+    with its node is started again (an error in starting its process ends it for good: Ray does not
+    construct again an actor whose constructor raised)."""
+    opts = {"num_cpus": resources.get("CPU", 0), "max_restarts": -1,
+            "resources": {k: v for k, v in resources.items() if k not in ("GPU", "CPU")}}
     if "GPU" in resources:
         opts["num_gpus"] = resources["GPU"]
     return opts
@@ -142,9 +154,11 @@ class RayStar:
     """The actors of one star on a Ray cluster; `close()` stops their processes."""
 
     draft_address: str  # every draft server's, comma-separated
-    target_addresses: list[str]
-    actors: list
+    target_addresses: list[str]  # where each target server runs now (watch keeps it so)
+    actors: list  # the draft servers' actors, then the targets'
     keys: StarKeys
+    moves: int = 0  # target actors started again elsewhere (their node lost)
+    _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @classmethod
     def start(cls, address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
@@ -159,41 +173,72 @@ class RayStar:
             raise Unavailable(f"no Ray cluster answers at {address}: {e}") from None
         actor = ray.remote(StarProcess)
         keys = StarKeys()
-        actors = [actor.options(**_options(draft_resources)).remote() for _ in range(draft_servers)]
+        draft_cmd = server_command(pair, dataclasses.replace(
+            server, bind=BIND, curve_key=f"{KEYS}/server/server.key_secret", curve_clients=f"{KEYS}/draft-clients"))
+        actors = [actor.options(**_options(draft_resources)).remote(draft_cmd, keys.files("draft"))
+                  for _ in range(draft_servers)]
         try:
-            draft_cmd = server_command(pair, dataclasses.replace(
-                server, bind=BIND, curve_key=f"{KEYS}/server/server.key_secret", curve_clients=f"{KEYS}/draft-clients"))
-            drafts = ray.get([a.start.remote(draft_cmd, keys.files("draft")) for a in actors])
-            targets = [actor.options(**_options(target_resources)).remote() for _ in range(n)]
-            actors += targets
+            drafts = ray.get([a.where.remote() for a in actors])
             target_keys = [*to_flags(ClientKeys(f"{KEYS}/targets/target.key_secret", f"{KEYS}/server/server.key")),
                            *to_flags(ServingKeys(f"{KEYS}/serving/serving.key_secret", f"{KEYS}/gateways"))]
             draft_address = ",".join(drafts)
             commands = [target_server_command(pair, draft, f"target-{i}", BIND, for_target(draft_address, i),
                                               model_name) + target_keys for i in range(n)]
-            addresses = ray.get([t.start.remote(c, keys.files("target")) for t, c in zip(targets, commands)])
+            actors += [actor.options(**_options(target_resources)).remote(c, keys.files("target")) for c in commands]
+            addresses = ray.get([t.where.remote() for t in actors[draft_servers:]])
         except BaseException:
             cls(None, [], actors, keys).close()
             raise
         return cls(draft_address, addresses, actors, keys)
 
-    def restarts(self) -> dict[str, int]:
-        """Restarts of the star's processes by kind, summed over the actors (/metrics); {} if they do
-        not answer within a few seconds."""
+    @property
+    def targets(self) -> list:
+        return self.actors[len(self.actors) - len(self.target_addresses):]
+
+    def watch(self, moved, interval_s: float = 2.0) -> None:
+        """Every interval_s, on a thread of its own, ask the target actors where their processes run,
+        and call moved(old, new) for each that runs elsewhere now (Ray started its actor again on
+        another node, its node lost). An actor still being started again does not answer in time:
+        it is asked again the next round."""
         ray = _ray()
-        total: dict[str, int] = {}
-        try:
-            for counts in ray.get([a.restarts.remote() for a in self.actors], timeout=5):
-                for kind, n in counts.items():
-                    total[kind] = total.get(kind, 0) + n
-        except (ray.exceptions.RayError, TimeoutError):
-            return {}
+
+        def run():
+            while not self._stop.wait(interval_s):
+                for i, actor in enumerate(self.targets):
+                    try:
+                        now = ray.get(actor.where.remote(), timeout=interval_s)
+                    except (ray.exceptions.RayError, TimeoutError):
+                        continue
+                    if now != self.target_addresses[i]:
+                        old, self.target_addresses[i] = self.target_addresses[i], now
+                        self.moves += 1
+                        log.warning("target-%d was started again at %s (its node lost; it was at %s)", i, now, old)
+                        moved(old, now)
+
+        threading.Thread(target=run, name="starsd-ray-watch", daemon=True).start()
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts of the star's processes by kind, summed over the actors that answer within a few
+        seconds (/metrics), and each target actor started again on another node counted as one."""
+        ray = _ray()
+        total: dict[str, int] = {"target-server": self.moves} if self.moves else {}
+        refs = [a.restarts.remote() for a in self.actors]
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=5)[0]:
+            try:
+                counts = ray.get(ref)
+            except ray.exceptions.RayError:  # an actor lost with its node
+                continue
+            for kind, n in counts.items():
+                total[kind] = total.get(kind, 0) + n
         return total
 
     def close(self) -> None:
+        """Stop every process (a minute at most: an actor whose node is lost does not answer), then the actors."""
+        self._stop.set()
         ray = _ray()
         try:
-            ray.get([a.stop.remote() for a in reversed(self.actors)], timeout=60)
+            refs = [a.stop.remote() for a in reversed(self.actors)]
+            ray.wait(refs, num_returns=len(refs), timeout=60)
         finally:
             for a in self.actors:
                 ray.kill(a)
