@@ -130,9 +130,13 @@ def test_the_first_draft_is_made_while_the_target_prefills(star, local):
         prompt = [7, 3, 9, 12, 40]
         seq = drafter.start(prompt, cfg, SamplingConfig(), 4)
         time.sleep(0.5)  # the target's prefill
+        asked = time.perf_counter()
         drafter.propose(seq, [], cfg, SamplingConfig(), max_depth=4)
+        waited_ms = (time.perf_counter() - asked) * 1e3
         t = drafter.timing
-        assert t.batch == [1] and t.wall[0] < t.queue[0] + t.service[0]  # drafted before it was asked for
+        assert t.batch == [1] and waited_ms < t.queue[0] + t.service[0]  # drafted before it was asked for
+        assert t.early == [True] and t.wall[0] >= 500  # its round trip runs from the prompt's reset,
+        assert not t.overheads()  # and it tells nothing of the protocol's overhead
         gen = speculative(local.target, drafter, prompt, 40, cfg, SamplingConfig())
         assert gen.token_ids == target_only(local.target, prompt, 40, SamplingConfig()).token_ids
         assert all(d > 0 for d in gen.depths[:-1])

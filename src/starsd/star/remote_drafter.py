@@ -64,21 +64,30 @@ class Timing:
     """Per draft request, as the target saw it (ms), one entry per request in order. overhead = wall -
     queue - service: serialisation, transport and the server's IO hop. A request the server turned
     away as busy, or whose draft missed the target's deadline (that step decoded without a draft),
-    has batch 0 and no queue or service time."""
+    has batch 0 and no queue or service time. A reply to a request asked at an earlier step, or
+    before the prompt's prefill (`early`), counts its wall time from then: it took the target's own
+    passes too, so its overhead is no protocol's, and `overheads()` leaves it out."""
 
     wall: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
     service: list[float] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
+    early: list[bool] = field(default_factory=list)
     late: int = 0  # requests whose draft missed the deadline (their steps decoded alone)
     ahead: int = 0  # requests asked without waiting (deadline 0), for a later step to pick up
     taken_late: int = 0  # drafts picked up at a later step than asked, and still following the committed tokens
 
-    def add(self, wall: float, queue: float = 0.0, service: float = 0.0, batch: int = 0) -> None:
+    def add(self, wall: float, queue: float = 0.0, service: float = 0.0, batch: int = 0, early: bool = False) -> None:
         self.wall.append(wall)
         self.queue.append(queue)
         self.service.append(service)
         self.batch.append(batch)
+        self.early.append(early)
+
+    def overheads(self) -> list[float]:
+        """wall - queue - service of each answered request the target waited for from its asking."""
+        return [w - q - s for w, q, s, b, e in zip(self.wall, self.queue, self.service, self.batch, self.early)
+                if b and not e]
 
     @property
     def refused(self) -> int:
@@ -95,9 +104,9 @@ class Timing:
         def mean(xs):
             return sum(xs[i] for i in answered) / n
 
-        overhead = [w - q - s for w, q, s in zip(self.wall, self.queue, self.service)]
+        overhead = self.overheads()
         return {"requests": n, "wall_ms": mean(self.wall), "queue_ms": mean(self.queue),
-                "service_ms": mean(self.service), "overhead_ms": mean(overhead),
+                "service_ms": mean(self.service), "overhead_ms": sum(overhead) / max(1, len(overhead)),
                 "mean_batch": mean(self.batch), "refused": self.refused, "late": self.late,
                 "ahead": self.ahead, "taken_late": self.taken_late}
 
@@ -221,6 +230,7 @@ class RemoteDrafter:
             return DraftTree.empty()
         budget = max(1, min(max_depth + 1, 1 << 30))  # tokens the target may still emit
         t0 = time.perf_counter()
+        earlier = seq.pending_since if seq.pending else None  # a request in flight before this call
         until = None if deadline_ms is None else time.monotonic() + deadline_ms / 1e3
         if not self._session(seq, wait=True) or time.monotonic() < seq.alone_until:
             self.timing.add((time.perf_counter() - t0) * 1e3)
@@ -255,10 +265,11 @@ class RemoteDrafter:
                 seq.sent = 0
         wall = (time.perf_counter() - t0) * 1e3
         seq.share_ms = reply.service_ms / max(1, reply.batch_size)
-        if seq.behind:  # asked at an earlier step: its round trip as the target saw it runs from then
-            self.timing.taken_late += 1
-            wall = (time.monotonic() - seq.pending_since) * 1e3
-        self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size)
+        early = earlier is not None and seq.pending_since == earlier  # the reply to a request asked before
+        if early:  # this call (at an earlier step, or with the prompt): its round trip runs from then
+            self.timing.taken_late += bool(seq.behind)
+            wall = (time.monotonic() - earlier) * 1e3
+        self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size, early)
         took = reply.queue_ms + reply.service_ms  # a server found faster is believed at once (it is asked
         # again only now and then while it seems too slow), a slower one over a few replies
         self.server_ms = min(took, self.server_ms + 0.25 * (took - self.server_ms))
