@@ -342,8 +342,8 @@ class DepthPolicy:
         wait is left out: a server that was slow may have freed up, and a look is how a stream finds
         out. A drafter in this process (`inline`) has no wait but its compute, the same at every
         look: it counts (co-located with a llama.cpp target on 2 cores here, the 0.5B draft costs
-        about 40 ms a level against 45 for the target's token, and each look cost a 64-token answer
-        about 4% of its time)."""
+        about 40 ms a level against 45 for the target's token; each look, with the drafter's catch-up
+        of the tokens decoded alone, cost a 64-token answer some 4% of its time, by a trace's figures)."""
         compute = self.share_ms(d) if self.cohosted else self.draft_ms(d) if self.inline else 0.0
         return (1.0 + d) / max(compute + self.verify_ms(d + 1), 1e-6) > self.rate(0)
 
@@ -396,7 +396,7 @@ class DepthPolicy:
                     best = look
             elif self.verify_ms.measured(1) < 3 or self.verify_ms.stale(1):  # decoding alone, to compare
                 best = 0  # with: measured little yet, or long ago (one-token passes slowed by a draft computed
-                # beside them, then never measured again while drafting, made a stream draft at 0.5x alone)
+                # beside them, then never measured again while drafting, could keep a stream drafting at a loss)
             else:  # the costs of the widths beside: a pass slowed once must not rule a width out for good
                 best = [best - 1, min(limit, best + 1)][self.looks % 2]
                 self.looks += 1
