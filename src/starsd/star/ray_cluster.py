@@ -107,25 +107,32 @@ class StarProcess:
         self.keys = _write_keys(keys)
         argv = [self.address if a == BIND else a.replace(KEYS, self.keys) for a in argv]
         proc = spawn(argv)
+        self.supervisor: Supervisor | None = None
+        self.failed: StarsdError | None = None  # why its process did not start: where() says it, in one line
         try:
             read_json_line(proc, "ready", 900)
-        except BaseException:
+        except StarsdError as e:  # kept, not raised: Ray would report a constructor's error as a traceback
             proc.kill()
             shutil.rmtree(self.keys, ignore_errors=True)
-            raise
+            self.failed = e
+            return
         self.supervisor = Supervisor()
         self.supervisor.watch(argv[0], argv[0], proc)  # by its command: draft-server or target-server
         self.supervisor.start()
 
     def where(self) -> str:
-        """The address its process serves at."""
+        """The address its process serves at; raises why it did not start."""
+        if self.failed is not None:
+            raise self.failed
         return self.address
 
     def restarts(self) -> dict[str, int]:
         """Its process's restarts, by kind (Supervisor.counts)."""
-        return self.supervisor.counts()
+        return {} if self.supervisor is None else self.supervisor.counts()
 
     def stop(self) -> int:
+        if self.supervisor is None:
+            return -1
         self.supervisor.halt()
         proc = self.supervisor.procs()[0]
         code = -1
@@ -140,9 +147,9 @@ class StarProcess:
 
 def _options(resources: dict[str, float]) -> dict:
     """Ray actor options for these resources ("GPU" and "CPU" are Ray's own arguments); an actor lost
-    with its node is started again (an error in starting its process ends it for good: Ray does not
-    construct again an actor whose constructor raised)."""
-    opts = {"num_cpus": resources.get("CPU", 0), "max_restarts": -1,
+    with its node is started again."""
+    opts = {"num_cpus": resources.get("CPU", 0), "max_restarts": -1,  # (one whose process failed to start stays up,
+            # with the reason: StarProcess.where)
             "resources": {k: v for k, v in resources.items() if k not in ("GPU", "CPU")}}
     if "GPU" in resources:
         opts["num_gpus"] = resources["GPU"]
