@@ -161,9 +161,17 @@ def test_proxy_adds_5ms_each_way(zctx, echo_port):
 
 
 def test_proxy_sub_millisecond_delay_is_accurate(zctx, echo_port):
-    base = proxy_rtt_ms(zctx, echo_port, 0.0, rounds=100)
-    delayed = proxy_rtt_ms(zctx, echo_port, 0.25, rounds=100)
-    assert 0.3 <= delayed - base <= 1.5, (base, delayed)
+    """0.25 ms each way adds 0.5 ms to a round trip (+0.60-0.68 ms measured here, 8 runs). Without and
+    with the delay in turns, three times each, the least median of each: the machine's noise only
+    adds (one run of a median each measured +0.27 ms, its base at 0.79 ms where it is usually 0.25).
+    Now and then this VM wakes a thread from a sub-millisecond timeout late, about 1 ms each way
+    for a second or so (three delayed medians of 2.0-2.2 ms in a row, seen once): the bound above
+    allows that, and still fails a delay lost or one off by milliseconds."""
+    base, delayed = [], []
+    for _ in range(3):
+        base.append(proxy_rtt_ms(zctx, echo_port, 0.0, rounds=100))
+        delayed.append(proxy_rtt_ms(zctx, echo_port, 0.25, rounds=100))
+    assert 0.3 <= min(delayed) - min(base) <= 2.5, (base, delayed)
 
 
 @pytest.mark.parametrize("delay_ms", [0.0, 1.0])
