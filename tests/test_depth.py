@@ -76,6 +76,15 @@ def test_positions_little_tested_are_drawn_widely():
     assert max(third) - min(third) > 0.3  # barely known: wide
 
 
+def measured_table(figures: dict[int, float], times: int = 3) -> Costs:
+    """Verify costs by width, each measured `times` times (3: they count for good)."""
+    costs = Costs(0.0)
+    for w, ms in figures.items():
+        for _ in range(times):
+            costs.add(w, ms)
+    return costs
+
+
 def run(policy: DepthPolicy, steps: int, decode_ms: float, verify_per_token: float, draft_per_level: float,
         wait_ms: float, right: int = 8, verify=None, share_per_level: float | None = None) -> list[int]:
     """Feed the policy a synthetic stream whose drafts are right for their first `right` tokens (and
@@ -175,10 +184,7 @@ def test_decodes_alone_on_a_cpu_whose_verify_cost_jumps_after_one_token():
     depth 2). A cost line through the widths a deep draft uses would put one token near 2.4 s and
     never let the stream decode alone. A width measured once is tried again after a while (a pass
     slowed once must not rule it out for good): 16 steps of 192 at the most."""
-    measured = {1: 619, 2: 1214, 3: 1812, 4: 1962, 6: 2128, 8: 2101, 11: 2499, 16: 2370}
-    table = Costs(0.0)
-    for w, ms in measured.items():
-        table.add(w, ms)
+    table = measured_table({1: 619, 2: 1214, 3: 1812, 4: 1962, 6: 2128, 8: 2101, 11: 2499, 16: 2370}, times=1)
     chosen = run(DepthPolicy(8, explore=16), 256, 0, 0, draft_per_level=41, wait_ms=2, right=2, verify=table)
     assert sum(d == 0 for d in chosen[-192:]) >= 176 and any(d > 0 for d in chosen[-192:])
 
@@ -189,9 +195,7 @@ def test_one_token_passes_slowed_long_ago_do_not_keep_a_stream_drafting():
     a stream that always drafts never measures a one-token pass again: it drafted at about half the
     speed of decoding alone. Once that figure is old, a look decodes alone, its pass replaces the old
     ones, and the stream decodes alone from then on."""
-    table = Costs(0.0)  # ms by tokens scored: a target whose wide passes cost little more than one
-    for w, ms in {1: 31, 2: 40, 4: 50, 8: 70, 12: 90}.items():
-        table.add(w, ms)
+    table = measured_table({1: 31, 2: 40, 4: 50, 8: 70, 12: 90}, times=1)  # wide passes cost little more than one
     policy = DepthPolicy(8, explore=16)
     for _ in range(9):
         policy.verify_ms.add(1, 150.0)
@@ -206,9 +210,7 @@ def test_a_streams_second_step_measures_decoding_alone():
     against 31 for one), would stand for a one-token pass too: a draft at 60 ms a level would then
     look worth it for 16 steps. The second step decodes alone instead, and from then on the stream
     knows that no draft pays."""
-    table = Costs(0.0)
-    for w, ms in {1: 31, 2: 50, 4: 85, 8: 148, 12: 178, 16: 178}.items():
-        table.add(w, ms)
+    table = measured_table({1: 31, 2: 50, 4: 85, 8: 148, 12: 178, 16: 178}, times=1)
     chosen = run(DepthPolicy(8, explore=16), 16, 0, 0, draft_per_level=60, wait_ms=2, right=3, verify=table)
     assert chosen[:2] == [8, 0] and chosen[2:].count(0) >= 12
 
@@ -255,11 +257,7 @@ def test_a_target_measures_its_verify_costs_before_its_first_stream(tiny_target,
 
 def one_core_table() -> Costs:
     """A llama.cpp target on one core of this CPU (119 ms for 2 tokens, 188 for 4, 51 for one)."""
-    table = Costs(0.0)
-    for w, ms in {1: 51, 2: 119, 3: 160, 4: 188, 9: 388}.items():
-        for _ in range(3):
-            table.add(w, ms)
-    return table
+    return measured_table({1: 51, 2: 119, 3: 160, 4: 188, 9: 388})
 
 
 def test_no_look_at_a_depth_that_could_not_pay_even_with_every_token_accepted():
@@ -279,11 +277,7 @@ def test_no_look_at_a_depth_that_could_not_pay_even_with_every_token_accepted():
 
 def llamacpp_table() -> Costs:
     """The 1.5B target on llama.cpp, both cores of this CPU (ms by tokens scored, measured)."""
-    table = Costs(0.0)
-    for w, ms in {1: 31, 2: 50, 4: 85, 8: 148, 12: 178}.items():
-        for _ in range(3):
-            table.add(w, ms)
-    return table
+    return measured_table({1: 31, 2: 50, 4: 85, 8: 148, 12: 178})
 
 
 def test_no_look_at_a_depth_whose_draft_in_this_process_could_not_pay():
