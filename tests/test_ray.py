@@ -102,33 +102,11 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
         victim = next(p for p in psutil.process_iter(["cmdline"])
                       if {"target-server", "target-0"} <= set(p.info["cmdline"] or ()))
         victim.kill()
-        back = ("import json, time, httpx2 as httpx, openai; base = %r; deadline = time.monotonic() + 120\n"
-                "while time.monotonic() < deadline and not ('process_restarts_total{process=\"target-server\"} 1.0'\n"
-                "        in httpx.get(base + '/metrics').text and httpx.get(base + '/health').json()['targets_up'] == 2):\n"
-                "    time.sleep(0.5)\n"
-                "c = openai.OpenAI(base_url=base + '/v1', api_key='x', max_retries=0)\n"
-                "texts = [c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0).choices[0].text\n"
-                "         for _ in range(3)]\n"
-                "print(json.dumps({'health': httpx.get(base + '/health').json(), 'texts': texts,\n"
-                "                  'metrics': httpx.get(base + '/metrics').text}))" % (f"http://{link.draft_ip}:{port}", PROMPT))
-        run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", back], capture_output=True,
-                             text=True, timeout=200)
-        assert run.returncode == 0, run.stderr[-2000:]
-        after = json.loads(run.stdout)
+        base = f"http://{link.draft_ip}:{port}"
+        after = served(link, base, "'process_restarts_total{process=\"target-server\"} 1.0' in metrics() and up() == 2", 120)
         lose_node(link.target_ip)  # the worker node dies with its actors and their target servers
         cluster["new_worker"]()  # another joins
-        moved = ("import json, time, httpx2 as httpx, openai; base = %r; deadline = time.monotonic() + 240\n"
-                 "while time.monotonic() < deadline and httpx.get(base + '/health').json()['targets_up'] < 2:\n"
-                 "    time.sleep(0.5)\n"
-                 "c = openai.OpenAI(base_url=base + '/v1', api_key='x', max_retries=0)\n"
-                 "texts = [c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0).choices[0].text\n"
-                 "         for _ in range(3)]\n"
-                 "print(json.dumps({'health': httpx.get(base + '/health').json(), 'texts': texts}))"
-                 % (f"http://{link.draft_ip}:{port}", PROMPT))
-        run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", moved], capture_output=True,
-                             text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
-        relocated = json.loads(run.stdout)
+        relocated = served(link, base, "up() == 2", 240)
         serving = [a for p in psutil.process_iter(["cmdline"]) if "target-server" in (p.info["cmdline"] or ())
                    for a in p.info["cmdline"] if a.startswith("tcp://") and a in ready["targets"]]
     finally:
@@ -144,6 +122,26 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
     assert relocated["health"]["targets_up"] == 2 and relocated["texts"] == [got["text"]] * 3
     assert not serving  # none of the target servers now serving is at an address of the lost node's
     assert code == 0
+
+
+def served(link, base: str, until: str, wait_s: float) -> dict:
+    """From the head's namespace: wait up to wait_s until `until` holds (metrics(): the gateway's
+    /metrics text, up(): its targets in service), then ask the gateway 3 times; the health, the
+    answers' texts and the metrics after."""
+    script = ("import json, time, httpx2 as httpx, openai; base = %r; deadline = time.monotonic() + %r\n"
+              "metrics = lambda: httpx.get(base + '/metrics').text\n"
+              "up = lambda: httpx.get(base + '/health').json()['targets_up']\n"
+              "while time.monotonic() < deadline and not (%s):\n"
+              "    time.sleep(0.5)\n"
+              "c = openai.OpenAI(base_url=base + '/v1', api_key='x', max_retries=0)\n"
+              "texts = [c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0).choices[0].text\n"
+              "         for _ in range(3)]\n"
+              "print(json.dumps({'health': httpx.get(base + '/health').json(), 'texts': texts, 'metrics': metrics()}))"
+              % (base, wait_s, until, PROMPT))
+    run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", script], capture_output=True,
+                         text=True, timeout=wait_s + 60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout)
 
 
 def lose_node(ip: str) -> None:
