@@ -145,6 +145,35 @@ def test_a_target_given_two_servers_moves_its_session_when_its_server_dies(rig):
         other.close()
 
 
+def test_a_session_follows_its_server_to_a_new_address(rig):
+    """Two draft servers; the target's dies and a gateway says it runs at a new address now
+    (DraftClient.readdress: a Ray actor started again on another node). The session follows it
+    there at the very next draft, not to the other server and not after a silence; the servers'
+    loads are read from the new address; the output is target-only's."""
+    other, third = start_server(rig.pair_cfg, ServerConfig()), start_server(rig.pair_cfg, ServerConfig())
+    rig.client.close()  # both servers empty: the session opens at the first listed
+    old = rig.stars[0].address
+    client = DraftClient(f"{old},{other.address}", rig.client.fingerprint, "t2")
+    try:
+        client.hello()
+        drafter = RemoteDrafter(client)
+        killer = KillAt(drafter, 6, lambda: (rig.kill(), client.readdress(old, third.address)))
+        prompt = [5, 17, 33, 2]
+        gen = speculative(rig.target, killer, prompt, 120, DRAFT, GREEDY)
+        assert gen.token_ids == target_only(rig.target, prompt, 120, GREEDY).token_ids
+        assert client.addresses == [third.address, other.address] and client.address == third.address
+        assert all(d > 0 for d in gen.depths[:-1]) and drafter.moves == 1  # no step without a draft
+        assert query_stats(third.address)["requests"] > 0
+        deadline = time.monotonic() + 10
+        while third.address not in client.loads.held() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(client.loads.held()) == {third.address, other.address}
+    finally:
+        client.close()
+        other.close()
+        third.close()
+
+
 def test_a_target_that_asks_no_draft_still_moves_off_a_dead_server(rig):
     """A target decoding alone (its steps ask for no draft, only keep the session up) whose server
     dies moves its session to the other within seconds, not at its next ask, which may be long

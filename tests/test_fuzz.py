@@ -62,6 +62,7 @@ FIELDS = {  # every message's header fields, each drawn with its declared type (
     P.MsgType.GENERATE: (ints, st.none() | text, st.none() | st.lists(st.tuples(text, text).map(list), max_size=3),
                          st.integers(-1, 40), sampling_map, st.lists(text, max_size=5), st.booleans()),
     P.MsgType.OUTPUT: (ints, text, ints, ints, ints, text, ints), P.MsgType.CANCEL: (ints,),
+    P.MsgType.DRAFT_MOVED: (text | st.just("tcp://10.0.0.1:5555"), text | st.just("ipc:///tmp/d")),
 }
 
 

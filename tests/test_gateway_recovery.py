@@ -183,3 +183,62 @@ def test_a_scrape_waits_for_draft_servers_that_are_down_at_once_not_in_turn():
     t0 = time.monotonic()
     assert draft_server_snapshots(silent) == [None, None, None]
     assert time.monotonic() - t0 < 4.0  # in turn: at least 6 s
+
+
+def test_targets_follow_a_draft_server_that_moved_even_once_started_again(tmp_path):
+    """A draft server runs at a new address (on Ray: its actor started again on another node). The
+    gateway tells its targets (DraftMoved), and a target server started again later, which lists the
+    old address on its command line, is told again when it rejoins: both draft on the new server."""
+    from preloaded import start_server
+    from starsd.config import PairConfig
+    from starsd.serve.pool import Pool
+    from starsd.star.client import query_stats
+
+    target_dir, draft_dir = tiny.save_pair(tmp_path)
+    old, new = (start_server(PairConfig(draft=draft_dir, dtype="float32", threads=1, draft_quantize="none"))
+                for _ in range(2))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    argv = ["target-server", "--bind", address, "--target", target_dir, "--dtype", "float32", "--threads", "1",
+            "--served-model-name", MODEL, "--connect", old.address, "--no-draft-adaptive"]
+    target = spawn(argv)
+    read_json_line(target, "ready", 120)
+
+    async def drafted(pool: Pool) -> int:
+        """One greedy stream; the steps that verified a draft."""
+        link, _ = await asyncio.wait_for(pool.acquire(), 30)
+        request = P.Generate(pool.new_id(), "def f(x):", None, 24, P.SamplingConfig(), (), True)
+        return sum(1 for out in [out async for out in pool.stream(link, request)] if out.drafted)
+
+    def restart():
+        nonlocal target
+        stop(target)
+        t0 = time.monotonic()
+        target = spawn(argv)
+        read_json_line(target, "ready", 120)
+        assert time.monotonic() - t0 < 30  # it waited out its draft client's 60 s timeout on the dead server
+
+    async def scenario():
+        pool = Pool([address], max_queue=4, step_timeout_s=30)
+        await pool.start(30)
+        try:
+            assert await drafted(pool) > 0
+            old.close()  # the old process is gone
+            pool.draft_moved(old.address, new.address)
+            assert await drafted(pool) > 0
+            after_told = query_stats(new.address)["requests"]
+            assert after_told > 0
+            await asyncio.to_thread(restart)  # with the command line it had: the old address
+            for _ in range(300):
+                if not pool.failed:
+                    break
+                await asyncio.sleep(0.1)
+            assert await drafted(pool) > 0
+            assert query_stats(new.address)["requests"] > after_told
+        finally:
+            pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop(target)
+        new.close()

@@ -4,7 +4,9 @@ both. The draft server must land on the head (its resource) and the targets on t
 gateway then serves greedy answers equal to target-only decoding, with Ray off the data path. A
 target server killed (kill -9) is started again by its actor at its address, and answers again.
 The worker node then dies (every process of it killed) and a new one joins: Ray starts the target
-actors again there, at new addresses, and the gateway serves through them."""
+actors again there, at new addresses, and the gateway serves through them. Last, the draft server's
+actor dies (its Ray worker process killed): Ray starts it again, at a new address, and the targets,
+told by the gateway, draft there."""
 
 import json
 import os
@@ -109,6 +111,11 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
         relocated = served(link, base, "up() == 2", 240)
         serving = [a for p in psutil.process_iter(["cmdline"]) if "target-server" in (p.info["cmdline"] or ())
                    for a in p.info["cmdline"] if a.startswith("tcp://") and a in ready["targets"]]
+        draft = next(p for p in psutil.process_iter(["cmdline"]) if "draft-server" in (p.info["cmdline"] or ()))
+        draft.parent().kill()  # the actor's process: its draft server dies with it, and Ray starts both again
+        moved = served(link, base, "'process_restarts_total{process=\"draft-server\"} 1.0' in metrics()", 180)
+        drafting = [a for p in psutil.process_iter(["cmdline"]) if "draft-server" in (p.info["cmdline"] or ())
+                    for a in p.info["cmdline"] if a.startswith("tcp://")]
     finally:
         gateway.send_signal(signal.SIGTERM)
         code = gateway.wait(timeout=90)
@@ -121,22 +128,24 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
     assert after["health"]["targets_up"] == 2 and after["texts"] == [got["text"]] * 3
     assert relocated["health"]["targets_up"] == 2 and relocated["texts"] == [got["text"]] * 3
     assert not serving  # none of the target servers now serving is at an address of the lost node's
+    assert drafting and ready["draft_server"] not in drafting  # the draft server runs at a new address
+    assert moved["texts"] == [got["text"]] * 3 and all(moved["drafts"]), moved["drafts"]  # and its targets draft there
     assert code == 0
 
 
 def served(link, base: str, until: str, wait_s: float) -> dict:
     """From the head's namespace: wait up to wait_s until `until` holds (metrics(): the gateway's
     /metrics text, up(): its targets in service), then ask the gateway 3 times; the health, the
-    answers' texts and the metrics after."""
+    answers' texts and steps drafted, and the metrics after."""
     script = ("import json, time, httpx2 as httpx, openai; base = %r; deadline = time.monotonic() + %r\n"
               "metrics = lambda: httpx.get(base + '/metrics').text\n"
               "up = lambda: httpx.get(base + '/health').json()['targets_up']\n"
               "while time.monotonic() < deadline and not (%s):\n"
               "    time.sleep(0.5)\n"
               "c = openai.OpenAI(base_url=base + '/v1', api_key='x', max_retries=0)\n"
-              "texts = [c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0).choices[0].text\n"
-              "         for _ in range(3)]\n"
-              "print(json.dumps({'health': httpx.get(base + '/health').json(), 'texts': texts, 'metrics': metrics()}))"
+              "rs = [c.completions.create(model='tiny', prompt=%r, max_tokens=30, temperature=0) for _ in range(3)]\n"
+              "print(json.dumps({'health': httpx.get(base + '/health').json(), 'texts': [r.choices[0].text for r in rs],\n"
+              "                  'drafts': [r.model_extra['spec_decode']['drafts'] for r in rs], 'metrics': metrics()}))"
               % (base, wait_s, until, PROMPT))
     run = subprocess.run([*link.exec_argv(link.draft_ns), sys.executable, "-c", script], capture_output=True,
                          text=True, timeout=wait_s + 60)

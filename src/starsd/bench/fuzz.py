@@ -109,6 +109,7 @@ def valid_message(rng: random.Random) -> tuple[msgspec.Struct, tuple[torch.Tenso
         P.MsgType.GENERATE: P.Generate(tag, "hi" * n, None, 16, GREEDY, ("\n",)) if n % 2 else
         P.Generate(tag, None, (P.Message("user", "hi"),), 16, GREEDY),
         P.MsgType.OUTPUT: P.Output(tag, "x", 1, 2, 1), P.MsgType.CANCEL: P.Cancel(tag),
+        P.MsgType.DRAFT_MOVED: P.DraftMoved("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
     }[kind], ()
 
 

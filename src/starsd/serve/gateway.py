@@ -73,7 +73,8 @@ class Gateway:
         self.cfg = cfg
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, max_position=64)
-        self.registry.register(DraftServerCollector(lambda: draft_server_snapshots(cfg.draft_server, cfg.draft_keys)))
+        self.draft_servers = cfg.draft_server  # as they run now (draft_moved)
+        self.registry.register(DraftServerCollector(lambda: draft_server_snapshots(self.draft_servers, cfg.draft_keys)))
         if restarts:
             self.registry.register(RestartsCollector(restarts))
         self.pool: Pool | None = None  # made inside the event loop (lifespan)
@@ -90,6 +91,11 @@ class Gateway:
         self.metrics.running.set_function(lambda: self.pool.running)
         self.metrics.waiting.set_function(lambda: self.pool.waiting)
         log.info("gateway: %d targets serving %s", len(self.pool.links), ", ".join(self.pool.models))
+
+    def draft_moved(self, old: str, new: str) -> None:
+        """A draft server of the star runs at `new` now: /metrics reads it there, and every target is told."""
+        self.draft_servers = ",".join(new if a == old else a for a in self.draft_servers.split(","))
+        self.pool.draft_moved(old, new)
 
     async def api_error(self, request: Request, e: ApiError):
         outcome = "rejected" if e.status == 503 else "invalid" if e.status < 500 else "error"
@@ -288,8 +294,8 @@ def read_api_key(api_key: str, api_key_file: str) -> str:
 def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None, moves=None) -> None:
     """Serve on `sock` (from listen) until SIGINT or SIGTERM, then return: first every target must
     describe itself, then uvicorn serves. `moves`, if given, is called once the targets are in, with a
-    function moved(old, new) to call from any thread when a target server's address changes (a Ray
-    actor started again on another node). uvicorn shuts down gracefully on either signal and then
+    function moved(kind, old, new) to call from any thread when the address of a target server (kind
+    "target") or of a draft server ("draft") changes (a Ray actor started again on another node). uvicorn shuts down gracefully on either signal and then
     raises it again with the handler it found: that one is made a no-op, so the caller's cleanup
     runs and the process exits 0."""
     import signal
@@ -304,7 +310,8 @@ def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None, m
         await gateway.open()
         if moves:
             loop = asyncio.get_running_loop()
-            moves(lambda old, new: loop.call_soon_threadsafe(gateway.pool.readdress, old, new))
+            moves(lambda kind, old, new: loop.call_soon_threadsafe(
+                gateway.pool.readdress if kind == "target" else gateway.draft_moved, old, new))
         server = uvicorn.Server(uvicorn.Config(make_app(gateway), log_level="warning", lifespan="off"))
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))

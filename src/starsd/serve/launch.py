@@ -86,7 +86,7 @@ def serve_remote(cfg: gateway.GatewayConfig, sock: socket.socket, metrics: dict 
                  restarts=None, moves=None) -> int:
     """The gateway alone, on `sock` (gateway.listen); `metrics`: the star's own metrics endpoints,
     announced in the ready line; `restarts`: the star's restart counts (local or on Ray), for /metrics;
-    `moves`: what tells the gateway of targets at new addresses (RayStar.watch; gateway.run)."""
+    `moves`: what tells the gateway of target and draft servers at new addresses (RayStar.watch; gateway.run)."""
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
 

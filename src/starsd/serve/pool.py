@@ -10,7 +10,9 @@ streams than it serves at once.
 A target whose connection drops (its process died: the socket monitor reports the disconnect) is
 taken out of service at once, and the stream it held fails with `target_lost`; when a target
 server answers at the address again, it describes itself and rejoins the pool (one that moved to
-another address, as a Ray actor started again on another node does, is told by `readdress`). A target that is
+another address, as a Ray actor started again on another node does, is told by `readdress`). A draft
+server that moved likewise is told to every target, and again to each that joins later (a target server
+started again knows only the addresses of its command line): `draft_moved`. A target that is
 connected but sends nothing for step_timeout_s fails its stream (`timeout`), is taken out of
 service and asked whether it is alive, with backoff: it rejoins as soon as it answers and holds no
 stream. A refusal names the stream it refuses, so it ends that stream and nothing else.
@@ -227,6 +229,7 @@ class Pool:
         self.running = 0
         self.failed: list[TargetLink] = []  # out of service: lost, or silent past a step deadline
         self._reviving: dict[TargetLink, asyncio.Task] = {}
+        self.draft_moves: list[tuple[str, str]] = []  # (old, new) of each draft server that moved, in order
         self._ids = itertools.count(1)
 
     async def start(self, timeout_s: float) -> None:
@@ -350,6 +353,20 @@ class Pool:
         fresh.watch(self._changed)
         self._revive(fresh)
 
+    def draft_moved(self, old: str, new: str) -> None:
+        """The draft server at `old` runs at `new` now: every target is told (DraftMoved), and every
+        target that joins again later is told again (_tell_moves). A target that lists no `old`
+        ignores it."""
+        log.warning("draft server %s moved to %s: telling the %d targets", old, new, len(self.links))
+        self.draft_moves.append((old, new))
+        for link in self.links:
+            link.tell(P.DraftMoved(old, new))
+
+    def _tell_moves(self, link: TargetLink) -> None:
+        """Every draft server move so far, in order (a chain of them included), to a target that joins."""
+        for old, new in self.draft_moves:
+            link.tell(P.DraftMoved(old, new))
+
     def _out_of_service(self, link: TargetLink) -> None:
         if link not in self.failed:
             self.failed.append(link)
@@ -380,6 +397,7 @@ class Pool:
                     wait = min(2 * wait, self.REVIVE_MAX_S)
                     continue
                 if not info.busy:
+                    self._tell_moves(link)  # before any Generate: the same socket keeps the order
                     self.failed.remove(link)
                     self.idle.fill(link)
                     log.info("target %s at %s is back in service", link.name, link.address)

@@ -106,6 +106,7 @@ class DraftClient:
         self._judged = 0  # the last round of loads that better() judged (or, after a Welcome, the round
         # before which it judges none: the figures do not count this session's own move yet)
         self._rng = random.Random()
+        self._moved: dict[str, str] = {}  # old -> new address of each listed server that moved (readdress)
         self.keys = keys  # for a server that requires authentication (star/security.py)
         self.fingerprint = fingerprint
         self.name = name
@@ -119,7 +120,8 @@ class DraftClient:
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
         self._welcome_level_ms = 0.0  # the server's time per drafted level, as its Welcome said (0: unknown)
-        self._hello_at = time.monotonic()  # when the last Hello went out
+        self.hello_at = time.monotonic()  # when the last Hello went out
+        self.hello_pending = False  # a Hello went out on this socket and no Welcome or refusal was read since
 
     def _socket(self) -> zmq.Socket:
         return connect(self.ctx, self.address, self.keys)
@@ -130,16 +132,22 @@ class DraftClient:
 
     def send_hello(self) -> None:
         """The first half of hello(): receive_welcome() must come before any other request."""
-        self._hello_at = time.monotonic()
+        self.hello_at = time.monotonic()
+        self.hello_pending = True
         self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
 
     def receive_welcome(self, timeout_s: float | None = None, wait_s: float | None = None) -> P.Welcome | None:
         """The second half of hello(): the session is open once its Welcome comes. With `wait_s`,
         None if it has not come within that long (the Hello is still in flight)."""
-        got = self._receive(P.Welcome, timeout_s=timeout_s,
-                            until=None if wait_s is None else time.monotonic() + wait_s)
+        try:
+            got = self._receive(P.Welcome, timeout_s=timeout_s,
+                                until=None if wait_s is None else time.monotonic() + wait_s)
+        except DraftServerError:
+            self.hello_pending = False
+            raise
         if got is None:
             return None
+        self.hello_pending = False
         welcome = got[0]
         self.tag = welcome.tag
         self.taps = None if welcome.taps is None else tuple(welcome.taps)
@@ -152,17 +160,23 @@ class DraftClient:
             # its socket's first pong takes a connection and a handshake, as long as the Hello took
             # (several round trips on a slow link): silence counts from then. A Welcome read late
             # (looked for between steps) took less than it seems: at most a few dead_after_s.
-            grace_s = min(time.monotonic() - self._hello_at, 4 * self.dead_after_s)
+            grace_s = min(time.monotonic() - self.hello_at, 4 * self.dead_after_s)
             self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s, self.keys, grace_s)
             self._heartbeat.start()
         return welcome
 
-    def try_hello(self) -> bool:
+    def try_hello(self, wait_s: float = 5.0) -> bool:
         """hello(), except that a draft server that is absent, full or busy is no failure: the target
-        starts decoding alone, and its RemoteDrafter opens the session later (with backoff). A
-        misconfiguration (another protocol version or vocabulary) still raises."""
+        starts decoding alone, and its RemoteDrafter opens the session later (with backoff). One that
+        has not answered within wait_s (down, or not started yet) leaves its Hello in flight, and the
+        RemoteDrafter takes the Welcome when it comes: a target does not wait out `timeout_s` before it
+        serves. A misconfiguration (another protocol version or vocabulary) still raises."""
         try:
-            self.hello()
+            self.send_hello()
+            if self.receive_welcome(wait_s=min(wait_s, self.timeout_s)) is None:
+                log.warning("no answer from the draft server at %s within %.0f s: decoding alone until it answers",
+                            self.address, min(wait_s, self.timeout_s))
+                return False
             return True
         except DraftServerError as e:
             if e.code not in GO_ON_ALONE:
@@ -195,12 +209,33 @@ class DraftClient:
         address."""
         self._leave()
         self._heartbeat = None
-        following = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+        here = self.addresses.index(self.address) if self.address in self.addresses else -1
+        following = self.addresses[(here + 1) % len(self.addresses)]
         held = self.loads.held() if self.loads is not None else {}
         self.address = to or least_loaded(self.addresses, held, skip=self.address) or following
         self.sock = self._socket()
         self.tag = 0
+        self.hello_pending = False
         return self.address
+
+    def readdress(self, old: str, new: str) -> bool:
+        """From any thread: the server listed at `old` runs at `new` now (a gateway said so: a Ray
+        actor started again on another node). Whether this client lists `old`. The thread that uses
+        the client follows at its next request (`moved_to`; star/remote_drafter.py)."""
+        if old not in self.addresses:
+            return False
+        self._moved[old] = new
+        self.addresses = [new if a == old else a for a in self.addresses]  # one rebinding: readers see either list
+        if self.loads is not None:
+            self.loads.readdress(old, new)
+        return True
+
+    def moved_to(self) -> str | None:
+        """Where the server this client talks to runs now, if it moved (readdress); else None."""
+        address = self.address
+        while address not in self.addresses and address in self._moved:  # a chain of moves
+            address = self._moved[address]
+        return None if address == self.address else address
 
     def answers(self) -> bool:
         """Whether this client's server answered the loads' pings lately (several servers only)."""

@@ -42,11 +42,16 @@ class Loads(threading.Thread):
         self._seen: dict[str, tuple[int, float]] = {}  # address -> (sessions, monotonic time of the answer)
         self._first = threading.Event()
         self._stop_event = threading.Event()
+        self._moves: list[tuple[str, str]] = []  # (old, new) not yet applied by the thread (readdress)
 
     def held(self) -> dict[str, int]:
         """Sessions held by each server that answered within fresh_s."""
         now = time.monotonic()
         return {a: n for a, (n, at) in list(self._seen.items()) if now - at <= self.fresh_s and n >= 0}
+
+    def readdress(self, old: str, new: str) -> None:
+        """From any thread: the server at `old` is pinged at `new` from the next round on."""
+        self._moves.append((old, new))
 
     def wait_first(self, timeout_s: float) -> None:
         """Until the first round's answers are in (or timeout_s)."""
@@ -60,9 +65,19 @@ class Loads(threading.Thread):
         poller = zmq.Poller()
         for sock in socks.values():
             poller.register(sock, zmq.POLLIN)
-        by_sock = {sock: a for a, sock in socks.items()}
         try:
             while not self._stop_event.is_set():
+                while self._moves:
+                    old, new = self._moves.pop(0)
+                    if old in socks:
+                        poller.unregister(socks[old])
+                        socks[old].close(0)
+                        self._seen.pop(old, None)
+                        socks[new] = connect(ctx, new, self.keys, send_hwm=4)
+                        poller.register(socks[new], zmq.POLLIN)
+                        del socks[old]
+                        self.addresses = [new if a == old else a for a in self.addresses]
+                by_sock = {sock: a for a, sock in socks.items()}
                 for sock in socks.values():
                     try:
                         sock.send_multipart(P.encode(P.Ping(0, time.time())), zmq.NOBLOCK)

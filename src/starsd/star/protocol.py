@@ -23,6 +23,8 @@ A target server (star/target_server.py) speaks the same wire to whoever sends it
   gateway -> target  Generate(id, prompt or messages, limits, sampling)
   target -> gateway  Output(id, text delta, step figures) per target step; the last one has a finish reason
   gateway -> target  Cancel(id): the stream ends after the step in progress
+  gateway -> target  DraftMoved(old, new): a draft server of the star runs at `new` now, not at `old`
+                     (a Ray actor started again on another node); the target's sessions follow it
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ MAX_FRAME_BYTES = 64 << 20  # any one frame; the server's socket refuses larger 
 MAX_PROMPT_CHARS = 1 << 20  # a Generate's prompt text, or all its messages together
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
+MAX_ADDRESS_CHARS = 256  # a ZeroMQ address in a DraftMoved
 MAX_MESSAGES = 1 << 14  # a Generate's chat messages: each costs template tokens, so more fit no context
 # Every variable-length part of a header is bounded in its type, so that msgspec refuses an
 # oversized one before building it: a header of millions of tiny items (tensor specs, a shape's
@@ -90,6 +93,7 @@ class MsgType(enum.IntEnum):
     GENERATE = 13
     OUTPUT = 14
     CANCEL = 15
+    DRAFT_MOVED = 16
 
 
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -223,12 +227,23 @@ class Cancel(msgspec.Struct, array_like=True, frozen=True):
     id: int
 
 
+Address = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADDRESS_CHARS, pattern=r"^(tcp|ipc)://")]
+
+
+class DraftMoved(msgspec.Struct, array_like=True, frozen=True):
+    """The draft server at `old` serves at `new` from now on: each draft session there moves with it.
+    No answer: a target that lists no `old` has nothing to do."""
+
+    old: Address
+    new: Address
+
+
 STRUCTS: dict[MsgType, type] = {
     MsgType.HELLO: Hello, MsgType.WELCOME: Welcome, MsgType.DRAFT_REQUEST: DraftRequest,
     MsgType.DRAFT_REPLY: DraftReply, MsgType.BYE: Bye, MsgType.ERROR: Error, MsgType.PING: Ping,
     MsgType.PONG: Pong, MsgType.STATS_REQUEST: StatsRequest, MsgType.STATS: Stats,
     MsgType.DESCRIBE: Describe, MsgType.TARGET_INFO: TargetInfo, MsgType.GENERATE: Generate,
-    MsgType.OUTPUT: Output, MsgType.CANCEL: Cancel,
+    MsgType.OUTPUT: Output, MsgType.CANCEL: Cancel, MsgType.DRAFT_MOVED: DraftMoved,
 }
 TYPES = {cls: t for t, cls in STRUCTS.items()}
 _ENCODER = msgspec.msgpack.Encoder()

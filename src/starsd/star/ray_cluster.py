@@ -7,10 +7,11 @@ runs, bound to its node's IP, and supervises it as a local star does (star/super
 that exits is started again with the same command line, so at the same address, where its peers
 find it again. The process dies with its actor. An actor lost with its node is started again by
 Ray (`max_restarts`) on a node its resources allow, once there is one: its process then runs at a
-new address, and `RayStar.watch` tells the gateway, which serves through it from then on. A draft
-server's actor comes back the same way, but its targets still list its old address (they decode
-alone, or draft on the star's other draft servers). Resources are Ray's: custom ones
-({"draft_host": 1}) or GPUs ({"GPU": 1}); none means anywhere.
+new address, and `RayStar.watch` tells the gateway: it serves through a target server at its new
+address from then on, and tells every target of a draft server's (protocol.DraftMoved: their sessions
+follow it), and each target that joins later too, since a target server started again knows only the
+addresses of its command line. Resources are Ray's: custom ones ({"draft_host": 1}) or GPUs
+({"GPU": 1}); none means anywhere.
 
 Every link is CurveZMQ-authenticated and encrypted: `StarKeys` makes a fresh set of key pairs for
 each star (the draft server's, one its targets share, the target servers' serving pair and the
@@ -160,11 +161,12 @@ def _options(resources: dict[str, float]) -> dict:
 class RayStar:
     """The actors of one star on a Ray cluster; `close()` stops their processes."""
 
-    draft_address: str  # every draft server's, comma-separated
-    target_addresses: list[str]  # where each target server runs now (watch keeps it so)
+    draft_addresses: list[str]  # where each draft server runs now (watch keeps it so)
+    target_addresses: list[str]  # where each target server runs now (ditto)
     actors: list  # the draft servers' actors, then the targets'
     keys: StarKeys
-    moves: int = 0  # target actors started again elsewhere (their node lost)
+    moves: dict[str, int] = dataclasses.field(default_factory=dict)  # actors started again elsewhere (their node
+    # lost), by kind of process
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @classmethod
@@ -188,47 +190,51 @@ class RayStar:
             drafts = ray.get([a.where.remote() for a in actors])
             target_keys = [*to_flags(ClientKeys(f"{KEYS}/targets/target.key_secret", f"{KEYS}/server/server.key")),
                            *to_flags(ServingKeys(f"{KEYS}/serving/serving.key_secret", f"{KEYS}/gateways"))]
-            draft_address = ",".join(drafts)
-            commands = [target_server_command(pair, draft, f"target-{i}", BIND, for_target(draft_address, i),
+            commands = [target_server_command(pair, draft, f"target-{i}", BIND, for_target(",".join(drafts), i),
                                               model_name) + target_keys for i in range(n)]
             actors += [actor.options(**_options(target_resources)).remote(c, keys.files("target")) for c in commands]
             addresses = ray.get([t.where.remote() for t in actors[draft_servers:]])
         except BaseException:
-            cls(None, [], actors, keys).close()
+            cls([], [], actors, keys).close()
             raise
-        return cls(draft_address, addresses, actors, keys)
+        return cls(drafts, addresses, actors, keys)
 
     @property
-    def targets(self) -> list:
-        return self.actors[len(self.actors) - len(self.target_addresses):]
+    def draft_address(self) -> str:
+        """Every draft server's address as it runs now, comma-separated."""
+        return ",".join(self.draft_addresses)
 
     def watch(self, moved, interval_s: float = 2.0) -> None:
-        """Every interval_s, on a thread of its own, ask the target actors where their processes run,
-        and call moved(old, new) for each that runs elsewhere now (Ray started its actor again on
-        another node, its node lost). An actor still being started again does not answer in time:
-        it is asked again the next round."""
+        """Every interval_s, on a thread of its own, ask the actors where their processes run, and
+        call moved(kind, old, new) for each that runs elsewhere now (Ray started its actor again on
+        another node, its node lost; kind "draft" or "target"). An actor still being started again
+        does not answer in time: it is asked again the next round."""
         ray = _ray()
+        kinds = [("draft", self.draft_addresses), ("target", self.target_addresses)]
 
         def run():
             while not self._stop.wait(interval_s):
-                for i, actor in enumerate(self.targets):
-                    try:
-                        now = ray.get(actor.where.remote(), timeout=interval_s)
-                    except (ray.exceptions.RayError, TimeoutError):
-                        continue
-                    if now != self.target_addresses[i]:
-                        old, self.target_addresses[i] = self.target_addresses[i], now
-                        self.moves += 1
-                        log.warning("target-%d was started again at %s (its node lost; it was at %s)", i, now, old)
-                        moved(old, now)
+                actors = iter(self.actors)  # the draft servers', then the targets'
+                for kind, addresses in kinds:
+                    for i, actor in zip(range(len(addresses)), actors):
+                        try:
+                            now = ray.get(actor.where.remote(), timeout=interval_s)
+                        except (ray.exceptions.RayError, TimeoutError):
+                            continue
+                        if now != addresses[i]:
+                            old, addresses[i] = addresses[i], now
+                            name = f"{kind}-server"
+                            self.moves[name] = self.moves.get(name, 0) + 1
+                            log.warning("%s %d was started again at %s (its node lost; it was at %s)", name, i, now, old)
+                            moved(kind, old, now)
 
         threading.Thread(target=run, name="starsd-ray-watch", daemon=True).start()
 
     def restarts(self) -> dict[str, int]:
         """Restarts of the star's processes by kind, summed over the actors that answer within a few
-        seconds (/metrics), and each target actor started again on another node counted as one."""
+        seconds (/metrics), and each actor started again on another node counted as one."""
         ray = _ray()
-        total: dict[str, int] = {"target-server": self.moves} if self.moves else {}
+        total = dict(self.moves)
         refs = [a.restarts.remote() for a in self.actors]
         for ref in ray.wait(refs, num_returns=len(refs), timeout=5)[0]:
             try:

@@ -151,7 +151,8 @@ class RemoteDrafter:
         self.outages = 0
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = 0.0
-        self._hello_at: float | None = None  # when the Hello of a new session went out (None: none in flight)
+        # when the Hello of a new session went out (None: none in flight; a start's try_hello may have left one)
+        self._hello_at: float | None = client.hello_at if self.down and client.hello_pending else None
         self._down_at = time.monotonic()  # when the last session was lost
         # Running averages over this drafter's streams (a new prompt starts from what the last ones
         # saw: a saturated server is as slow for a stream's first draft as for its hundredth):
@@ -284,8 +285,11 @@ class RemoteDrafter:
 
     def _session(self, seq: RemoteSequence, wait: bool) -> bool:
         """Whether a session is open for a request now. A session the heartbeat's replies say is gone
-        (the server restarted, or freed it) is dropped, and a new one asked for at once; while down,
-        _back() (waiting for the Welcome only with `wait`)."""
+        (the server restarted, or freed it) is dropped, and a new one asked for at once; so is one
+        whose server moved to another address (DraftClient.readdress), there; while down, _back()
+        (waiting for the Welcome only with `wait`)."""
+        if (to := self.client.moved_to()) is not None:
+            self._follow(seq, to)
         if not self.down and self.client.session_gone():
             self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
         if not self.down and not self.client.reachable(patience=3.0):  # noticed without a request (a target
@@ -311,6 +315,17 @@ class RemoteDrafter:
         if len(self.client.addresses) > 1 and why.code != "unknown_session":  # a server that answers keeps it
             self._tried = 1
             self._move(f"session lost ({why.code})")
+
+    def _follow(self, seq: RemoteSequence, to: str) -> None:
+        """The session's server runs at `to` now: a hello there at once, and a reset with the whole
+        accepted prefix (the session it held was lost with its old process)."""
+        self.down = True
+        self._down_at = time.monotonic()
+        self.outages += 1
+        seq.pending = 0  # that socket is closed: no reply of it will be read
+        seq.sent = 0
+        self._tried = 0  # no round of servers tried: the hello goes out at once
+        self._move("its server moved", to)
 
     def _rebalance(self, seq: RemoteSequence, to: str) -> None:
         """The session moves to a server that holds fewer (star/placement.py): a hello there at once,

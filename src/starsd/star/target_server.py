@@ -9,7 +9,8 @@ stream tokens as they are accepted.
 
 The main thread owns the ROUTER socket: it answers Describe and Ping at once, hands a Generate to
 a free slot (or refuses it as busy when every slot holds a stream), marks a Cancel for its stream
-(which ends after the step in progress), and sends what the workers put on an inproc socket. Each
+(which ends after the step in progress), tells the slots' draft clients of a draft server that moved
+(DraftMoved, from a gateway), and sends what the workers put on an inproc socket. Each
 slot keeps one depth policy over its streams, so what it learns carries over.
 """
 
@@ -174,6 +175,9 @@ class TargetServer:
         elif isinstance(msg, P.Cancel):
             if any(slot.stream == (peer, msg.id) for slot in self.slots):
                 self._cancelled.add((peer, msg.id))
+        elif isinstance(msg, P.DraftMoved):  # each slot's session follows at its next step (RemoteDrafter)
+            if any([slot.client.readdress(msg.old, msg.new) for slot in self.slots if slot.client]):
+                log.warning("%s: draft server %s moved to %s", self.name, msg.old, msg.new)
         elif isinstance(msg, P.Generate):
             free = next((slot for slot in self.slots if slot.stream is None), None)
             if free is None:
