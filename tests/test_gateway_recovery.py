@@ -241,4 +241,5 @@ def test_targets_follow_a_draft_server_that_moved_even_once_started_again(tmp_pa
         asyncio.run(scenario())
     finally:
         stop(target)
+        old.close()
         new.close()

@@ -111,11 +111,12 @@ def test_serve_places_the_star_by_resources_and_answers(cluster):
         relocated = served(link, base, "up() == 2", 240)
         serving = [a for p in psutil.process_iter(["cmdline"]) if "target-server" in (p.info["cmdline"] or ())
                    for a in p.info["cmdline"] if a.startswith("tcp://") and a in ready["targets"]]
-        draft = next(p for p in psutil.process_iter(["cmdline"]) if "draft-server" in (p.info["cmdline"] or ()))
+        draft = next(p for p in psutil.process_iter(["cmdline"])
+                     if {"draft-server", ready["draft_server"]} <= set(p.info["cmdline"] or ()))
         draft.parent().kill()  # the actor's process: its draft server dies with it, and Ray starts both again
         moved = served(link, base, "'process_restarts_total{process=\"draft-server\"} 1.0' in metrics()", 180)
         drafting = [a for p in psutil.process_iter(["cmdline"]) if "draft-server" in (p.info["cmdline"] or ())
-                    for a in p.info["cmdline"] if a.startswith("tcp://")]
+                    for a in p.info["cmdline"] if a.startswith(f"tcp://{link.draft_ip}:")]
     finally:
         gateway.send_signal(signal.SIGTERM)
         code = gateway.wait(timeout=90)

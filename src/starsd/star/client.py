@@ -133,8 +133,8 @@ class DraftClient:
     def send_hello(self) -> None:
         """The first half of hello(): receive_welcome() must come before any other request."""
         self.hello_at = time.monotonic()
-        self.hello_pending = True
         self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
+        self.hello_pending = True  # (not if it could not go out)
 
     def receive_welcome(self, timeout_s: float | None = None, wait_s: float | None = None) -> P.Welcome | None:
         """The second half of hello(): the session is open once its Welcome comes. With `wait_s`,
@@ -209,10 +209,11 @@ class DraftClient:
         address."""
         self._leave()
         self._heartbeat = None
-        here = self.addresses.index(self.address) if self.address in self.addresses else -1
-        following = self.addresses[(here + 1) % len(self.addresses)]
+        listed = self.addresses  # read once: readdress() may rebind it from another thread
+        here = listed.index(self.address) if self.address in listed else -1
+        following = listed[(here + 1) % len(listed)]
         held = self.loads.held() if self.loads is not None else {}
-        self.address = to or least_loaded(self.addresses, held, skip=self.address) or following
+        self.address = to or least_loaded(listed, held, skip=self.address) or following
         self.sock = self._socket()
         self.tag = 0
         self.hello_pending = False

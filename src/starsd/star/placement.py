@@ -71,11 +71,11 @@ class Loads(threading.Thread):
                     old, new = self._moves.pop(0)
                     if old in socks:
                         poller.unregister(socks[old])
-                        socks[old].close(0)
+                        socks.pop(old).close(0)
                         self._seen.pop(old, None)
-                        socks[new] = connect(ctx, new, self.keys, send_hwm=4)
-                        poller.register(socks[new], zmq.POLLIN)
-                        del socks[old]
+                        if new not in socks:
+                            socks[new] = connect(ctx, new, self.keys, send_hwm=4)
+                            poller.register(socks[new], zmq.POLLIN)
                         self.addresses = [new if a == old else a for a in self.addresses]
                 by_sock = {sock: a for a, sock in socks.items()}
                 for sock in socks.values():

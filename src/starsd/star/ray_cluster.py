@@ -224,9 +224,9 @@ class RayStar:
                         if now != addresses[i]:
                             old, addresses[i] = addresses[i], now
                             name = f"{kind}-server"
-                            self.moves[name] = self.moves.get(name, 0) + 1
                             log.warning("%s %d was started again at %s (its node lost; it was at %s)", name, i, now, old)
                             moved(kind, old, now)
+                            self.moves[name] = self.moves.get(name, 0) + 1  # (counted once the gateway is told)
 
         threading.Thread(target=run, name="starsd-ray-watch", daemon=True).start()
 

@@ -319,9 +319,10 @@ class RemoteDrafter:
     def _follow(self, seq: RemoteSequence, to: str) -> None:
         """The session's server runs at `to` now: a hello there at once, and a reset with the whole
         accepted prefix (the session it held was lost with its old process)."""
+        if not self.down:  # (one already lost to the silence of the old address was counted then)
+            self._down_at = time.monotonic()
+            self.outages += 1
         self.down = True
-        self._down_at = time.monotonic()
-        self.outages += 1
         seq.pending = 0  # that socket is closed: no reply of it will be read
         seq.sent = 0
         self._tried = 0  # no round of servers tried: the hello goes out at once

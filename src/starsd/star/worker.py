@@ -34,7 +34,8 @@ def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_token
     try:
         policy = DepthPolicy(draft.depth)  # one for the whole run: what it learns carries over the prompts
         if not no_spec:
-            client.try_hello()
+            client.try_hello(timeout_s if wait_go else 5.0)  # a launcher's synchronised start (a benchmark)
+            # waits for the session: its targets start drafting at the same moment
             if draft.adaptive:
                 measure_verify(pair.target, policy)
         if wait_go:
