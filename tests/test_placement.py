@@ -101,3 +101,37 @@ def test_sessions_spread_out_when_a_server_joins_and_nothing_is_lost(rig):
             c.close()
         for star in stars:
             star.close()
+
+
+def test_no_session_is_moved_to_a_server_that_stopped_answering(rig, monkeypatch):
+    """A server's figures stay fresh for seconds after its last answer: a server just killed, holding
+    no session, looked the best place, and the sessions that moved there decoded alone until their
+    hello gave up (seen in `bench servers`: one of two servers killed, a survivor's session moved to
+    it a second later). Only a server that answered the last round of pings is a place to move to."""
+    import starsd.star.client as client_module
+
+    monkeypatch.setattr(client_module, "should_move", lambda mine, fewest, rng: True)  # where, not whether
+    a, b = preloaded.start_server(rig["pair"]), preloaded.start_server(rig["pair"])
+    clients = [DraftClient(f"{a.address},{b.address}", rig["fingerprint"], "both")]
+    try:
+        clients[0].hello()  # a tie: at a, listed first
+        for _ in range(2):
+            clients.append(DraftClient(a.address, rig["fingerprint"], "only-a"))
+            clients[-1].hello()
+        loads = clients[0].loads
+        seen = loads.rounds
+        while loads.rounds < seen + 3:  # (a Welcome's next two rounds are not judged: DraftClient.better)
+            time.sleep(0.05)
+        assert clients[0].better() == b.address  # 3 against 0, both answering: it would move
+        b.close()
+        t0 = time.monotonic()
+        seen = loads.rounds
+        while loads.rounds < seen + 2:  # b's figures are still fresh (held) for a few seconds
+            time.sleep(0.05)
+        assert b.address in loads.held() and time.monotonic() - t0 < loads.fresh_s
+        assert clients[0].better() is None
+    finally:
+        for c in clients:
+            c.close()
+        a.close()
+        b.close()

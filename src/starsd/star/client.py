@@ -249,7 +249,10 @@ class DraftClient:
             return None
         self._judged = self.loads.rounds
         held = self.loads.held()
-        other = least_loaded(self.addresses, held, skip=self.address)
+        # only to a server that answered the last round: the figures of one that stopped answering stay
+        # fresh for seconds, and a server just killed, holding no session, looked the best place
+        recent = {a: n for a, n in held.items() if a in self.loads.answered}
+        other = least_loaded(self.addresses, recent, skip=self.address)
         if other is None or self.address not in held:
             return None
         return other if should_move(held[self.address], held[other], self._rng) else None

@@ -39,6 +39,7 @@ class Loads(threading.Thread):
         self.interval_s = interval_s
         self.fresh_s = fresh_s
         self.rounds = 0  # rounds of pings whose answers have been read
+        self.answered: frozenset[str] = frozenset()  # the servers that answered in the last round
         self._seen: dict[str, tuple[int, float]] = {}  # address -> (sessions, monotonic time of the answer)
         self._first = threading.Event()
         self._stop_event = threading.Event()
@@ -97,6 +98,7 @@ class Loads(threading.Thread):
                             answered.add(address)
                     if len(answered) == len(socks) and not self._first.is_set():
                         break  # the first round ends as soon as every server has answered
+                self.answered = frozenset(answered)
                 self.rounds += 1
                 self._first.set()
         finally:

@@ -1,0 +1,39 @@
+"""`starsd bench servers`, short, on tiny models: one draft server, two, and two with one killed,
+each server pinned to a core, against the same replay targets; the kill's targets move to the
+survivor and nothing they decode differs from the recording (a replay target stops at the first
+token that does, and the run fails)."""
+
+import json
+import subprocess
+import sys
+
+import tiny
+from starsd.emulate.replay import LatencyProfile
+
+
+def test_bench_servers_runs_one_two_and_a_kill_and_the_killed_servers_targets_move(tmp_path):
+    target_dir, draft_dir = tiny.save_pair(tmp_path)
+    latency = tmp_path / "latency.json"
+    # verify passes a GPU would make of a 1.5B target (flat in the width: drafting pays), and a prefill
+    latency.write_text(json.dumps(LatencyProfile({1: (200.0,), 16: (220.0,)}, "test", {50: (200.0,)}).to_json()))
+    out = tmp_path / "servers.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "starsd.cli", "bench", "servers", "--targets", "4", "--warmup-s", "2", "--measure-s", "8",
+         "--kill-at-s", "2", "--no-model-check", "--limit", "4", "--max-new-tokens", "24", "--latency", str(latency),
+         "--target", target_dir, "--draft", draft_dir, "--dtype", "float32", "--draft-quantize", "none",
+         "--threads", "1", "--no-draft-adaptive", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and out.exists(), run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    points = result["points"]
+    assert list(points) == ["one server", "two servers", "two servers, one killed"]
+    assert all(p["system_tokens_per_s"] > 0 and p["drafted_share"] > 0.5 for p in points.values()), points
+    assert len(points["one server"]["servers_busy"]) == 1 and len(points["two servers"]["servers_busy"]) == 2
+    assert len(points["two servers, one killed"]["servers_busy"]) == 1  # the killed one has no window share
+    take = points["two servers, one killed"]["takeover"]
+    # the killed server held the sessions of targets 1 and 3: both moved, and both drafted again
+    assert take["moved_targets"] >= 2 and take["on_the_survivor"] == 4, take
+    assert take["gap_max_s"] is not None and take["gap_max_s"] < 10, take
+    checks = result["checks"]
+    assert checks["two_over_one"] > 0 and checks["killed_over_one"] > 0 and "model" not in result
+    assert out.with_suffix(".png").stat().st_size > 1000
