@@ -18,7 +18,7 @@ def test_bench_servers_runs_one_two_and_a_kill_and_the_killed_servers_targets_mo
     latency.write_text(json.dumps(LatencyProfile({1: (200.0,), 16: (220.0,)}, "test", {50: (200.0,)}).to_json()))
     out = tmp_path / "servers.json"
     run = subprocess.run(
-        [sys.executable, "-m", "starsd.cli", "bench", "servers", "--targets", "4", "--warmup-s", "2", "--measure-s", "8",
+        [sys.executable, "-m", "starsd.cli", "bench", "servers", "--targets", "4", "--warmup-s", "1", "--measure-s", "6",
          "--kill-at-s", "2", "--no-model-check", "--limit", "4", "--max-new-tokens", "24", "--latency", str(latency),
          "--target", target_dir, "--draft", draft_dir, "--dtype", "float32", "--draft-quantize", "none",
          "--threads", "1", "--no-draft-adaptive", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)],
