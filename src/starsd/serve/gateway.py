@@ -295,9 +295,9 @@ def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None, m
     """Serve on `sock` (from listen) until SIGINT or SIGTERM, then return: first every target must
     describe itself, then uvicorn serves. `moves`, if given, is called once the targets are in, with a
     function moved(kind, old, new) to call from any thread when the address of a target server (kind
-    "target") or of a draft server ("draft") changes (a Ray actor started again on another node). uvicorn shuts down gracefully on either signal and then
-    raises it again with the handler it found: that one is made a no-op, so the caller's cleanup
-    runs and the process exits 0."""
+    "target") or of a draft server ("draft") changes (a Ray actor started again on another node).
+    uvicorn shuts down gracefully on either signal and then raises it again with the handler it
+    found: that one is made a no-op, so the caller's cleanup runs and the process exits 0."""
     import signal
 
     import uvicorn
