@@ -4,10 +4,10 @@ queried with the official `openai` client.
 It starts `starsd serve` (a draft server, N target servers, the gateway), streams one chat answer
 to the screen as the target accepts it, then sends a few requests at once, one per target, and
 the same requests again decoded without drafts (the `speculate: false` extension: the same star,
-the same processes, target-only decoding), each way twice (with, without, without, with), and prints per request and for the system: tokens/s
-against target-only, the speculation (drafts, mean acceptance length), whether the text is the
-same, and the draft server's utilisation, from the gateway's /metrics. Writes JSON and a plot,
-and stops everything.
+the same processes, target-only decoding), each way twice (with, without, without, with), and
+prints per request and for the system: tokens/s against target-only, the speculation (drafts,
+mean acceptance length), whether the text is the same, and the draft server's utilisation, from
+the gateway's /metrics. Writes JSON and a plot, and stops everything.
 """
 
 from __future__ import annotations

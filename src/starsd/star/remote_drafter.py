@@ -317,27 +317,26 @@ class RemoteDrafter:
             self._move(f"session lost ({why.code})")
 
     def _follow(self, seq: RemoteSequence, to: str) -> None:
-        """The session's server runs at `to` now: a hello there at once, and a reset with the whole
-        accepted prefix (the session it held was lost with its old process)."""
-        if not self.down:  # (one already lost to the silence of the old address was counted then)
-            self._down_at = time.monotonic()
-            self.outages += 1
-        self.down = True
-        seq.pending = 0  # that socket is closed: no reply of it will be read
-        seq.sent = 0
-        self._tried = 0  # no round of servers tried: the hello goes out at once
-        self._move("its server moved", to)
+        """The session's server runs at `to` now (the session it held was lost with its old process)."""
+        self._relocate(seq, "its server moved", to, outage=True)
 
     def _rebalance(self, seq: RemoteSequence, to: str) -> None:
-        """The session moves to a server that holds fewer (star/placement.py): a hello there at once,
-        and a reset with the whole accepted prefix, as after a loss."""
+        """The session moves to a server that holds fewer (star/placement.py)."""
         self.rebalanced += 1
+        self._relocate(seq, "the sessions are spread unevenly", to, outage=False)
+
+    def _relocate(self, seq: RemoteSequence, why: str, to: str, outage: bool) -> None:
+        """A hello at `to` at once (no round of servers tried: no backoff), then a reset with the whole
+        accepted prefix, as after a loss. `outage`: counted as one, unless the session was down already
+        (a loss to the old address's silence was counted then)."""
+        if not self.down:
+            self._down_at = time.monotonic()
+            self.outages += outage
         self.down = True
-        self._down_at = time.monotonic()
         seq.pending = 0  # that socket is closed: no reply of it will be read
         seq.sent = 0
-        self._tried = 1
-        self._move("the sessions are spread unevenly", to)
+        self._tried = 0
+        self._move(why, to)
 
     def _back(self, seq: RemoteSequence, wait: bool = True) -> bool:
         """While down: once the server answers pings again and the backoff has passed, send a Hello on
