@@ -292,17 +292,26 @@ def test_service_benchmark_measures_s_of_b_against_the_bound(tmp_path):
 
 
 def test_takeover_counts_from_the_kill_to_a_drafted_step_begun_after_it():
-    """bench servers: replay-1 opened at the killed server; its step ending just after the kill
-    verified a draft sent before it and does not count; its first drafted step begun after the
-    kill ends 1.5 s after it. replay-3 never drafts again: no gap, and no maximum."""
+    """bench servers, server B killed at t = 10. replay-1 was at B: its step ending just after the kill
+    verified a draft sent before it and does not count; its first drafted step begun after the kill
+    ends 1.5 s after it. replay-2 had been spread to B before the kill and moved off it after (its
+    last row says A). replay-3 was spread from B to A before the kill: not a target of the kill.
+    replay-4 stays at B and never drafts again: no gap, and no maximum."""
     from starsd.bench.servers import takeover
 
     rows = [
-        {"target": "replay-0", "started": 9.0, "trace": [(10.5, 3)], "depths": [4], "moves": 0, "server": "A"},
-        {"target": "replay-1", "started": 9.0, "trace": [(10.2, 3), (10.8, 1), (11.5, 4)], "depths": [4, 0, 4],
-         "moves": 1, "server": "A"},
-        {"target": "replay-3", "started": 9.0, "trace": [(11.0, 1)], "depths": [0], "moves": 1, "server": "A"},
+        {"target": "replay-0", "started": 9.0, "finished": 10.5, "trace": [(10.5, 3)], "depths": [4], "moves": 0,
+         "server": "A", "relocations": []},
+        {"target": "replay-1", "started": 9.0, "finished": 11.5, "trace": [(10.2, 3), (10.8, 1), (11.5, 4)],
+         "depths": [4, 0, 4], "moves": 1, "server": "A", "relocations": [[10.7, "B", "A", "lost"]]},
+        {"target": "replay-2", "started": 9.0, "finished": 12.0, "trace": [(11.0, 1), (12.0, 3)], "depths": [0, 2],
+         "moves": 2, "server": "A", "relocations": [[5.0, "A", "B", "spread"], [10.9, "B", "A", "lost"]]},
+        {"target": "replay-3", "started": 9.0, "finished": 10.4, "trace": [(10.4, 2)], "depths": [3], "moves": 1,
+         "server": "A", "relocations": [[6.0, "B", "A", "spread"]]},
+        {"target": "replay-4", "started": 9.0, "finished": 11.0, "trace": [(11.0, 1)], "depths": [0], "moves": 0,
+         "server": "B", "relocations": []},
     ]
-    out = takeover(rows, 4, killed_at=10.0)
-    assert out["gap_s"] == {"replay-1": pytest.approx(1.5), "replay-3": None}
-    assert out["moved_targets"] == 2 and out["on_the_survivor"] == 3 and out["gap_max_s"] is None
+    out = takeover(rows, "B", killed_at=10.0)
+    assert out["gap_s"] == {"replay-1": pytest.approx(1.5), "replay-2": pytest.approx(2.0), "replay-4": None}
+    assert out["on_the_killed"] == 3 and out["moves_after"] == 2 and out["moves"] == 4
+    assert out["elsewhere_at_the_end"] == 4 and out["gap_max_s"] is None

@@ -31,9 +31,11 @@ def test_bench_servers_runs_one_two_and_a_kill_and_the_killed_servers_targets_mo
     assert len(points["one server"]["servers_busy"]) == 1 and len(points["two servers"]["servers_busy"]) == 2
     assert len(points["two servers, one killed"]["servers_busy"]) == 1  # the killed one has no window share
     take = points["two servers, one killed"]["takeover"]
-    # the killed server held the sessions of targets 1 and 3: both moved, and both drafted again
-    assert take["moved_targets"] >= 2 and take["on_the_survivor"] == 4, take
-    assert take["gap_max_s"] is not None and take["gap_max_s"] < 10, take
+    # the killed server held about half of the sessions (they open half on each, and may be spread
+    # before the kill): each moved and drafted again, and none is left there
+    assert take["on_the_killed"] >= 1 and take["moves_after"] >= take["on_the_killed"], (take, run.stderr[-3000:])
+    assert take["elsewhere_at_the_end"] == 4, (take, run.stderr[-3000:])
+    assert take["gap_max_s"] is not None and take["gap_max_s"] < 10, (take, run.stderr[-3000:])
     checks = result["checks"]
     assert checks["two_over_one"] > 0 and checks["killed_over_one"] > 0 and "model" not in result
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -88,29 +88,35 @@ def figures(rows: list[dict], n: int, go: float, args) -> dict:
     return metrics.point(metrics.iterations(rows), n, w0, w0 + args.measure_s)
 
 
-def takeover(rows: list[dict], n: int, killed_at: float) -> dict:
-    """What the kill cost: the moves, and for each target that had opened at the killed server (odd
-    i), the seconds from the kill to the end of its first drafted step begun after it (a step begun
-    before may verify a draft the killed server sent)."""
+def takeover(rows: list[dict], killed: str, killed_at: float) -> dict:
+    """What the kill of the server at `killed` cost. The targets whose session was there at the kill
+    (the first move after it leaves from there, else the last row still says so: a session may have
+    been spread to it or away from it before) and, for each, the seconds from the kill to the end of
+    its first drafted step begun after it (a step begun before may verify a draft the killed server
+    sent); the moves after the kill; and the targets whose session is elsewhere at the end."""
     steps: dict[str, list[tuple[float, float, int]]] = {}  # target -> (began, ended, depth)
-    for r in rows:
+    last: dict[str, dict] = {}  # each target's last row: its moves so far and where it drafts now
+    for r in sorted(rows, key=lambda r: r["finished"]):
         began = r["started"]
         for (end, _), depth in zip(r["trace"], r["depths"]):
             steps.setdefault(r["target"], []).append((began, end, depth))
             began = end
-    gaps = {}
-    for i in range(1, n, 2):
-        name = f"replay-{i}"
-        after = [end for began, end, depth in sorted(steps.get(name, [])) if began > killed_at and depth]
-        gaps[name] = after[0] - killed_at if after else None
-    known = [g for g in gaps.values() if g is not None]
-    last = {}
-    for r in rows:  # each target's last row: its moves so far and where it drafts now
         last[r["target"]] = r
-    return {"moved_targets": sum(1 for r in last.values() if r["moves"]), "moves": sum(r["moves"] for r in last.values()),
-            "on_the_survivor": sum(1 for r in last.values() if r["server"] == last["replay-0"]["server"]),
+    gaps = {}
+    moved_after = 0
+    for name, r in sorted(last.items()):
+        after = [m for m in r["relocations"] if m[0] > killed_at]
+        moved_after += len(after)
+        if (after[0][1] if after else r["server"]) != killed:
+            continue
+        drafted = [end for began, end, depth in sorted(steps[name]) if began > killed_at and depth]
+        gaps[name] = drafted[0] - killed_at if drafted else None
+    known = [g for g in gaps.values() if g is not None]
+    return {"on_the_killed": len(gaps), "moves_after": moved_after,
+            "moves": sum(r["moves"] for r in last.values()),
+            "elsewhere_at_the_end": sum(1 for r in last.values() if r["server"] != killed),
             "gap_s": gaps, "gap_median_s": statistics.median(known) if known else None,
-            "gap_max_s": max(known) if len(known) == len(gaps) else None,
+            "gap_max_s": max(known) if known and len(known) == len(gaps) else None,
             "tokens_lost": 0}  # replay targets verify every token against the recording: a lost or
     # changed token fails the run (run_point raises), so a result means none was
 
@@ -184,7 +190,7 @@ def run(args, steps: Steps) -> dict:
         point = figures(rows, n, go, args)
         point["servers_busy"] = busy  # each live server's busy share of the window (the killed one's: none)
         if kill is not None:
-            point["takeover"] = takeover(rows, n, go + args.warmup_s + kill)
+            point["takeover"] = takeover(rows, star.addresses[-1], go + args.warmup_s + kill)
         out[name] = point
         steps.end(f"{name}: {point['system_tokens_per_s']:.2f} tok/s")
     one, two, killed = (out[k]["system_tokens_per_s"] for k in out)
@@ -210,7 +216,8 @@ def main(args) -> int:
              f"{result['targets']} replay targets, draft servers on one core each")
     take = points["two servers, one killed"]["takeover"]
     facts = {k: f"{v:.2f}" if isinstance(v, float) else str(v) for k, v in result["checks"].items()}
-    facts["takeover"] = (f"{take['moved_targets']} targets moved ({take['moves']} moves), gap from the kill to a "
+    facts["takeover"] = (f"{take['on_the_killed']} targets on the killed server ({take['moves_after']} moves after the "
+                         f"kill), {take['elsewhere_at_the_end']} elsewhere at the end; gap from the kill to a "
                          f"drafted step: median {take['gap_median_s']} s, max {take['gap_max_s']} s")
     if "model" in result:
         model = result["model"]

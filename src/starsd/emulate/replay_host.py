@@ -152,6 +152,7 @@ class Host:
                     "tokens_per_s": gen.tokens_per_s, "started": started, "finished": time.time(),
                     "trace": gen.trace, "asked": gen.asked, "depths": gen.depths, "verify_ms": target.verify_ms,
                     "draft": t.summary(), "session": client.tag, "server": client.address, "moves": drafter.moves,
+                    "relocations": [list(m) for m in drafter.relocations],
                     "outages": drafter.outages,
                     "requests": {"wall": t.wall, "queue": t.queue, "service": t.service, "batch": t.batch}})
             if not self.duration_s:

@@ -6,6 +6,7 @@ what its drafts took (Timing), and the recovery from a server that is slow, full
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -143,6 +144,8 @@ class RemoteDrafter:
         self._cohosted = cohosted
         self._place()
         self.moves = 0  # sessions moved to another of several servers
+        self.relocations: collections.deque = collections.deque(maxlen=64)  # the last moves: (time.time(),
+        # from, to, why), for a benchmark's account of a takeover
         self.rebalanced = 0  # of them, moved to spread the sessions evenly (the rest: lost or refused)
         self._tried = 1  # servers tried in a row without a session (a full round: the backoff applies)
         self.timing = Timing()
@@ -180,6 +183,7 @@ class RemoteDrafter:
         self.client.move(to)
         self._place()
         self.moves += 1
+        self.relocations.append((time.time(), left, self.client.address, why))
         self._hello_at = None
         self._tried += 1
         wrapped = self._tried > len(self.client.addresses)
