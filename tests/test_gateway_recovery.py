@@ -4,6 +4,7 @@ alone), which the tests stop, kill and start again."""
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import signal
 import time
@@ -41,19 +42,36 @@ def stop(proc) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.fixture
-def star(target_dir):
-    """One target server and a gateway in front of it; the test may kill and restart the target."""
+@contextlib.contextmanager
+def one_target_star(target_dir: str):
+    """One target server and a gateway in front of it."""
     address = f"tcp://127.0.0.1:{free_port()}"
     target = {"proc": start_target(target_dir, address), "address": address}
     port = free_port()
     gateway = spawn(["serve", "--port", str(port), "--target-server", address, "--step-timeout", str(STEP_TIMEOUT_S),
                      "--max-queue", "4"])
-    read_json_line(gateway, "ready", 120)
-    yield {"url": f"http://127.0.0.1:{port}", "target": target, "dir": target_dir}
-    gateway.send_signal(signal.SIGTERM)
-    gateway.wait(timeout=30)
-    stop(target["proc"])
+    try:
+        read_json_line(gateway, "ready", 120)
+        yield {"url": f"http://127.0.0.1:{port}", "target": target, "dir": target_dir}
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=30)
+        stop(target["proc"])
+
+
+@pytest.fixture
+def star(target_dir):
+    """A star of its own: the test may stop, kill and restart the target."""
+    with one_target_star(target_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def shared_star(target_dir):
+    """One star for the tests that send it bad input and check that it serves on: each also checks
+    that the inputs of those before it left it in service."""
+    with one_target_star(target_dir) as s:
+        yield s
 
 
 def complete(url: str, max_tokens: int = 8, **extra) -> httpx.Response:
@@ -72,33 +90,33 @@ def wait_up(url: str, within_s: float) -> float:
     pytest.fail(f"targets still out of service after {within_s} s: {health}")
 
 
-def test_a_request_too_large_for_a_target_is_refused_and_the_target_stays_in_service(star):
+def test_a_request_too_large_for_a_target_is_refused_and_the_target_stays_in_service(shared_star):
     """It was forwarded, refused by the target with no request named, waited out as a timeout, and
     the target was taken out of service for good: every later request got 503."""
     t0 = time.monotonic()
-    r = complete(star["url"], max_tokens=10**6)
+    r = complete(shared_star["url"], max_tokens=10**6)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert time.monotonic() - t0 < STEP_TIMEOUT_S
     for _ in range(3):
-        r = complete(star["url"])
+        r = complete(shared_star["url"])
         assert r.status_code == 200, r.text
-    assert httpx.get(star["url"] + "/health").json()["targets_up"] == 1
+    assert httpx.get(shared_star["url"] + "/health").json()["targets_up"] == 1
 
 
-def test_a_body_that_is_not_utf8_is_a_bad_request(star):
-    r = httpx.post(star["url"] + "/v1/completions", content=b'{"model": "\xff\xfe"}',
+def test_a_body_that_is_not_utf8_is_a_bad_request(shared_star):
+    r = httpx.post(shared_star["url"] + "/v1/completions", content=b'{"model": "\xff\xfe"}',
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "error" in r.json(), r.text
-    assert complete(star["url"]).status_code == 200
+    assert complete(shared_star["url"]).status_code == 200
 
 
-def test_a_protocol_refusal_names_the_request_it_refuses(star):
+def test_a_protocol_refusal_names_the_request_it_refuses(shared_star):
     """A Generate the target cannot take (past its max_tokens): its Error carries the request's id,
     so a gateway ends that stream, not the link."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(star["target"]["address"])
+    sock.connect(shared_star["target"]["address"])
     try:
         sampling = P.SamplingConfig()
         sock.send_multipart(P.encode(P.Generate(4242, "x", None, P.MAX_TOKENS_PER_REQUEST + 1, sampling)))
@@ -109,6 +127,7 @@ def test_a_protocol_refusal_names_the_request_it_refuses(star):
     finally:
         sock.close()
         ctx.term()
+    assert complete(shared_star["url"]).status_code == 200
 
 
 def test_a_target_late_for_its_step_is_asked_and_rejoins_when_it_answers(star):
