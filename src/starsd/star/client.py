@@ -106,6 +106,7 @@ class DraftClient:
         self._judged = 0  # the last round of loads that better() judged (or, after a Welcome, the round
         # before which it judges none: the figures do not count this session's own move yet)
         self._rng = random.Random()
+        self._uneven: str | None = None  # the server that better()'s last round judged holding 2+ fewer
         self._moved: dict[str, str] = {}  # old -> new address of each listed server that moved (readdress)
         self.keys = keys  # for a server that requires authentication (star/security.py)
         self.fingerprint = fingerprint
@@ -153,6 +154,7 @@ class DraftClient:
         self.taps = None if welcome.taps is None else tuple(welcome.taps)
         if self.loads is not None:
             self._judged = self.loads.rounds + 2
+            self._uneven = None
         self._welcome_level_ms = welcome.level_ms
         if self.heartbeat_s > 0:
             if self._heartbeat:
@@ -253,7 +255,12 @@ class DraftClient:
         # fresh for seconds, and a server just killed, holding no session, looked the best place
         recent = {a: n for a, n in held.items() if a in self.loads.answered}
         other = least_loaded(self.addresses, recent, skip=self.address)
-        if other is None or self.address not in held:
+        uneven = other if other is not None and self.address in held and held[self.address] - held[other] >= 2 else None
+        # and only where the last round judged showed the same: one round may be taken while other
+        # targets' hellos are in flight (targets started together, half of them not yet counted by
+        # their server), and a spread on it moves sessions that then move back
+        seen_before, self._uneven = self._uneven, uneven
+        if uneven is None or uneven != seen_before:
             return None
         return other if should_move(held[self.address], held[other], self._rng) else None
 

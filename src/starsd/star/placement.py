@@ -7,8 +7,9 @@ a second on a socket of its own (Loads); every draft server's Pong says how many
   each take a K-th of the targets, as the simulator assigns them: theory/simulate.py).
 - A session that its server loses or cannot hold moves to the least loaded of the others that
   answer (any next one where none does).
-- Sessions rebalance: a target whose server holds at least two sessions more than another moves
-  there with a probability chosen so that, of all the targets that see the same figures, about a
+- Sessions rebalance: a target whose server holds at least two sessions more than another, in two
+  rounds of figures in a row (one round may be taken while hellos are in flight), moves there with
+  a probability chosen so that, of all the targets that see the same figures, about a
   quarter of the difference moves each second, and one at least (`should_move`): a large
   difference halves each second, so a server that joins or comes back (a restart) takes its share
   within a few seconds, and few targets overshoot (each move costs the new server a reset: the
