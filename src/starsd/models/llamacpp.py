@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from starsd.config import LLAMACPP_SEQUENCES, MAX_STREAMS, ModelConfig
+from starsd.config import LLAMACPP_SEQUENCES, MAX_STREAMS, ModelConfig, cpu_flags
 from starsd.errors import StarsdError
 from starsd.models import pinned
 from starsd.models.batcher import Batcher, Job
@@ -63,6 +63,15 @@ def _lib():
         raise EngineMissing("the llama.cpp target engine needs llama-cpp-python: `make setup` builds it "
                             "(or `pip install 'starsd[llamacpp]'`, which compiles llama.cpp, ~15-20 min on 2 cores)") from None
     return llama_cpp
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX. llama.cpp built for such a CPU repacks a Q4_K_M file's weights into
+    its AMX buffer and then crashes in its first llama_decode (a segmentation fault in
+    ggml_backend_amx_mul_mat on a Xeon with AMX here, at every prompt; llama.cpp issue #20824, closed
+    unfixed): there the weights stay in llama.cpp's plain CPU buffers (no extra buffer types, so
+    none repacked: 90 ms a token at 2 threads on that Xeon)."""
+    return "amx_int8" in cpu_flags()
 
 
 _LOG_CALLBACK = None  # kept alive: llama.cpp calls it for as long as the process runs
@@ -145,6 +154,7 @@ class LlamaCppTarget:
         _quiet(ll)
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = not amx()
         self.model = ll.llama_model_load_from_file(str(file).encode(), mparams)
         if not self.model:
             raise StarsdError(f"llama.cpp could not load {file}")
