@@ -459,3 +459,28 @@ def test_a_prompts_first_draft_is_asked_only_if_it_can_come_in_time_with_the_pre
     policy.prefill(100.0)
     assert policy.first(8, 1.0, server_ms=2000.0) == 0
     assert policy.first(8, 20.0, server_ms=0.0) == 0  # drafts that come 20 tokens late, for another reason
+
+
+def test_a_cohosted_draft_is_charged_to_every_other_target_on_the_cores():
+    """Seen on an AMX Xeon: a local star of two llama.cpp targets (one thread each on the 2 cores) and
+    its draft server. The targets measured 164 ms for one token, 209 for two, 257 for three; the
+    server's level took 46 ms. By the prior acceptance (0.8) one drafted token looked worth 1.16x to a
+    stream (1.8 tokens per 255 ms against 1 per 164), so streams drafted, the server ingested their
+    prompts, and both targets ran at 0.65-0.78x decoding alone. Its compute slows the other target
+    too: charged once more for it (1.8 per 301 ms), no draft pays, none is asked before the prefill
+    (whose ingest would take the cores too), and no look at drafting is made."""
+    def stream(neighbours: int) -> DepthPolicy:
+        policy = DepthPolicy(10, explore=16, cohosted=True, neighbours=neighbours)
+        policy.server_prior(46.0)
+        for w, ms in {1: 164, 2: 209, 3: 257, 5: 387, 8: 569, 11: 562}.items():
+            for _ in range(3):
+                policy.verify_ms.add(w, ms)
+        policy.prefill(300.0)
+        return policy
+
+    alone = stream(0)
+    assert alone.choose(10) > 0 and alone.first(10) > 0
+    shared = stream(1)
+    assert shared.first(10) == 0
+    assert run(shared, 64, decode_ms=164, verify_per_token=45, draft_per_level=46, wait_ms=0, right=1,
+               share_per_level=46) == [0] * 64

@@ -414,3 +414,20 @@ def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(
     assert drafter.level_ms == quiet._heartbeat.level_ms == server.stats.level_ms() > 0  # a Pong's, not the Welcome's
     quiet.close()
     busy.close()
+
+
+def test_welcome_and_pongs_count_the_targets_on_the_servers_host(make_server):
+    """Each Welcome, and every Pong after, says how many of the server's sessions are of targets on its
+    own host (here all: loopback): a co-hosted stream's draft takes its compute from each of them
+    (spec/depth.py, `neighbours`), so the count follows targets that come and go."""
+    server, address = make_server()
+    first = DraftClient(address, FP, "first", timeout_s=10, heartbeat_s=0.05)
+    first.hello()
+    drafter = RemoteDrafter(first)
+    assert drafter.cohosted and first.local_sessions == 1 and drafter.neighbours == 0
+    second = client(address)
+    assert second._welcome_local == 2
+    assert wait_for(lambda: drafter.neighbours == 1)  # the next Pong says so
+    second.close()
+    assert wait_for(lambda: drafter.neighbours == 0)
+    first.close()

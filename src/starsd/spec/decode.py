@@ -156,6 +156,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     ask_ahead = policy is not None and drafter.asynchronous
     if policy is not None:
         policy.cohosted = drafter.cohosted
+        policy.neighbours = drafter.neighbours
         policy.inline = not drafter.asynchronous
         policy.server_prior(drafter.level_ms)
     depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
@@ -178,6 +179,8 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         if policy and drafter.moves != policy.moves:  # another server drafts for this stream now
             policy.moves = drafter.moves
             policy.new_server(drafter.level_ms)
+        if policy:
+            policy.neighbours = drafter.neighbours
         if produced:
             depth = pick(budget)
         elif taps is not None and len(prompt_ids) < 2:

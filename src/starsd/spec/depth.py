@@ -64,7 +64,9 @@ targets verify on, and a draft nobody waits for still takes its compute from the
 share of the server's time (its batch's service time over the streams in it) is learnt as a cost of
 its own (`share_ms`), and a draft is asked ahead only where it pays at that cost (`asked_ahead`). A
 local star on two cores, two targets and a draft server, would otherwise draft as if drafts were free
-while every pass slowed.
+while every pass slowed. And that compute is taken from every other target on those cores
+too (`neighbours`, as the server counts its sessions of targets on its host): a stream charges it
+once for each (`taken`), so that no stream drafts for a gain of its own that slows the host more.
 """
 
 from __future__ import annotations
@@ -242,6 +244,8 @@ class DepthPolicy:
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
     prefill_ms: float = 0.0  # the last prompt's prefill (a first draft asked ahead has that long to come)
     cohosted: bool = False  # the draft server computes on this host's cores: a draft asked ahead is not free
+    neighbours: int = 0  # cohosted: the other targets on this host's cores; a draft's compute is taken from
+    # each of them too (the server said how many: its sessions of targets on its host)
     inline: bool = False  # drafts are computed when asked and waited for (a drafter in this process, or a
     # server sharing its cores: never asked ahead): a draft's wait is its compute, the same at every look
     holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec/decode.py sets it)
@@ -284,7 +288,15 @@ class DepthPolicy:
         if d == 0:
             return 1.0 / max(self.verify_ms(1), 1e-6)
         levels, accepted = self.expect(d, rates)
-        return (1.0 + accepted) / max(self.draft_ms(levels) + self.verify_ms(levels + 1), 1e-6)
+        return (1.0 + accepted) / max(self.draft_ms(levels) + self.verify_ms(levels + 1) + self.taken(levels), 1e-6)
+
+    def taken(self, levels: float) -> float:
+        """What a co-hosted server's compute on a draft of `levels` levels takes from the other targets on
+        its cores (`neighbours`), in this stream's time: each of them is slowed by about that compute, so
+        a draft that wins this stream a little can lose the host more. On an AMX Xeon here, a local
+        star of two llama.cpp targets drafted one token a step for one of them, which looked worth 1.16x
+        to it, and both ran at 0.65-0.78x decoding alone."""
+        return self.neighbours * self.share_ms(levels) if self.cohosted else 0.0
 
     def here(self, d: int) -> float:
         """Expected tokens per millisecond of verifying a draft d deep that is already here (no wait)."""
@@ -298,7 +310,7 @@ class DepthPolicy:
         if d == 0 or not self.cohosted:
             return self.here(d)
         levels, accepted = self.expect(d)
-        return (1.0 + accepted) / max(self.share_ms(levels) + self.verify_ms(levels + 1), 1e-6)
+        return (1.0 + accepted) / max(self.share_ms(levels) + self.verify_ms(levels + 1) + self.taken(levels), 1e-6)
 
     def deepest(self, limit: int, value) -> int:
         """The depth, at most `limit` (and max_depth) deep, 0 included, with the most tokens per
@@ -344,7 +356,7 @@ class DepthPolicy:
         look: it counts (co-located with a llama.cpp target on 2 cores here, the 0.5B draft costs
         about 40 ms a level against 45 for the target's token; each look, with the drafter's catch-up
         of the tokens decoded alone, cost a 64-token answer some 4% of its time, by a trace's figures)."""
-        compute = self.share_ms(d) if self.cohosted else self.draft_ms(d) if self.inline else 0.0
+        compute = self.share_ms(d) + self.taken(d) if self.cohosted else self.draft_ms(d) if self.inline else 0.0
         return (1.0 + d) / max(compute + self.verify_ms(d + 1), 1e-6) > self.rate(0)
 
     def first(self, limit: int, behind: float = 1.0, server_ms: float = 0.0) -> int:

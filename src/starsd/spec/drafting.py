@@ -21,6 +21,7 @@ class DraftSource(Protocol):
     taps: tuple[int, ...] | None  # the target features a feature-level drafter needs (None: tokens only)
     asynchronous: bool  # a draft may be asked without waiting (deadline 0) and taken at a later step
     cohosted: bool  # its drafts are computed on this host's cores, even those nobody waits for
+    neighbours: int  # cohosted: the other targets on those cores, whose compute each draft takes too
     level_ms: float  # what a drafted level has cost of late (0: not known): a new stream's prior
     lateness: float  # asynchronous: tokens a stream commits between asking a draft and reading it
     server_ms: float  # asynchronous: the drafting side's own time on a request
@@ -46,6 +47,7 @@ class LocalDrafting:
 
     asynchronous = False
     cohosted = False
+    neighbours = 0
     level_ms = 0.0
     lateness = 1.0
     server_ms = 0.0

@@ -121,6 +121,7 @@ class DraftClient:
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
         self._welcome_level_ms = 0.0  # the server's time per drafted level, as its Welcome said (0: unknown)
+        self._welcome_local = -1  # the server's sessions of targets on its host, as its Welcome said (-1: not said)
         self.hello_at = time.monotonic()  # when the last Hello went out
         self.hello_pending = False  # a Hello went out on this socket and no Welcome or refusal was read since
 
@@ -156,6 +157,7 @@ class DraftClient:
             self._judged = self.loads.rounds + 2
             self._uneven = None
         self._welcome_level_ms = welcome.level_ms
+        self._welcome_local = welcome.local
         if self.heartbeat_s > 0:
             if self._heartbeat:
                 self._heartbeat.stop()
@@ -192,6 +194,13 @@ class DraftClient:
         else as the Welcome did (0: unknown)."""
         beat = self._heartbeat
         return beat.level_ms if beat is not None and beat.level_ms > 0 else self._welcome_level_ms
+
+    @property
+    def local_sessions(self) -> int:
+        """The server's sessions of targets on its own host, as its last Pong said, else its Welcome
+        (-1: not said)."""
+        beat = self._heartbeat
+        return beat.local if beat is not None and beat.local >= 0 else self._welcome_local
 
     def reachable(self, patience: float = 1.0) -> bool:
         """Whether the server answered a ping within patience x dead_after_s (True without a heartbeat)."""
@@ -384,6 +393,7 @@ class Heartbeat(threading.Thread):
         self._last_pong = time.monotonic() + grace_s
         self.session_gone = False  # a Pong said the server does not hold session `tag` (restarted, or freed it)
         self.level_ms = 0.0  # the server's time per drafted level, as its last Pong said (0: none said it yet)
+        self.local = -1  # the server's sessions of targets on its host, as its last Pong said (-1: none said it yet)
 
     def silent_s(self) -> float:
         """Seconds since the server last answered a ping (or since the heartbeat started, plus
@@ -410,6 +420,8 @@ class Heartbeat(threading.Thread):
                         self.session_gone = True
                     if isinstance(msg, P.Pong) and msg.level_ms > 0:
                         self.level_ms = msg.level_ms
+                    if isinstance(msg, P.Pong) and msg.local >= 0:
+                        self.local = msg.local
         finally:
             sock.close(0)
 

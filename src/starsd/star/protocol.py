@@ -41,9 +41,9 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 4  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+PROTOCOL_VERSION = 5  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
 # travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
-# level_ms
+# level_ms; 5: and its sessions of targets on its own host (`local`)
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -119,6 +119,8 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     # its drafter needs (models/eagle.py: () the last hidden state, else those hidden states); None: tokens only
     level_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's recent time per drafted level
     # of one stream's draft (ServerStats.level_ms; 0: none measured yet): a new stream's prior for what a draft costs
+    local: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # the server's sessions of targets on its own host
+    # (-1: not said): a co-hosted target's draft takes its compute from each of them (spec/depth.py, `neighbours`)
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -167,6 +169,7 @@ class Pong(msgspec.Struct, array_like=True, frozen=True):
     level_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # a draft server's, as in Welcome, kept fresh
     sessions: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # the sessions a draft server holds (-1: not
     # said): its load, by which a target given several servers places its session (star/placement.py)
+    local: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # of them, those of targets on its host, as in Welcome
 
 
 class StatsRequest(msgspec.Struct, array_like=True, frozen=True):

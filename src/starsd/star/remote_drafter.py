@@ -211,6 +211,12 @@ class RemoteDrafter:
         return self.client.level_ms
 
     @property
+    def neighbours(self) -> int:
+        """Other targets whose cores this stream's drafts are computed on: a co-hosted server's sessions
+        of targets on its host, this stream's own left out (0: none, or the server is not on this host)."""
+        return max(0, self.client.local_sessions - 1) if self.cohosted else 0
+
+    @property
     def taps(self) -> tuple[int, ...] | None:
         """The target features the server's drafter needs (None: tokens only), as its Welcome said."""
         return self.client.taps

@@ -49,7 +49,7 @@ class DraftServer:
         self.sessions = Sessions(cfg, drafter, fingerprint, vocab_size, self.stats)
         self.q_in: queue.Queue[Request] = queue.Queue()
         self.transport = Transport(cfg, self.q_in, self.stats, self.sessions.heartbeat, self._stats_json,
-                                   lambda: len(self.sessions))
+                                   lambda: (len(self.sessions), self.sessions.local()))
         self.stopping = self.transport.stopping
         self._waiting: list[tuple[Session, Request]] = []  # taken draft requests, oldest first, not yet drafted
         self._deferred: list[Request] = []  # a session's later request waits for its earlier one's batch
@@ -211,7 +211,7 @@ class DraftServer:
             if isinstance(msg, P.Hello):
                 s = self.sessions.open(req.peer, msg, req.user, req.local)
                 self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps,
-                                                      self.stats.level_ms()))
+                                                      self.stats.level_ms(), self.sessions.local()))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:

@@ -85,6 +85,10 @@ class Sessions:
     def __iter__(self):
         return iter(list(self._by_tag.values()))
 
+    def local(self) -> int:
+        """Sessions of targets on this host (they verify on the cores this server drafts on)."""
+        return sum(s.local for s in self)
+
     def open(self, peer: bytes, hello: P.Hello, user: str = "", local: bool = False) -> Session:
         """A new session for this connection (replacing its old one). Raises Refused."""
         if hello.version != P.PROTOCOL_VERSION:

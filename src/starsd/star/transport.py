@@ -44,7 +44,8 @@ class Request:
 
 class Transport:
     def __init__(self, cfg: ServerConfig, q_in: queue.Queue, stats: ServerStats,
-                 on_ping: Callable[[int], bool], stats_json: Callable[[], str], sessions: Callable[[], int]):
+                 on_ping: Callable[[int], bool], stats_json: Callable[[], str],
+                 sessions: Callable[[], tuple[int, int]]):
         self.cfg = cfg
         self.bind = cfg.bind
         self.q_in = q_in
@@ -53,7 +54,7 @@ class Transport:
         self.backlog = 0  # requests the compute loop has taken off Q_in and not yet drafted (it sets this)
         self.on_ping = on_ping  # a live session's heartbeat
         self.stats_json = stats_json  # the answer to a StatsRequest
-        self.sessions = sessions  # how many sessions the server holds (every Pong says it)
+        self.sessions = sessions  # the sessions the server holds, and of them those on its host (every Pong says them)
         self.ctx = zmq.Context()
         self.stopping = threading.Event()
         self._ready = threading.Event()
@@ -138,7 +139,7 @@ class Transport:
             self.stats.error("internal")
             return answer(P.Error("internal", str(e)[:200]))
         if isinstance(msg, P.Ping):
-            return answer(P.Pong(msg.tag, msg.sent, self.on_ping(msg.tag), self.stats.level_ms(), self.sessions()))
+            return answer(P.Pong(msg.tag, msg.sent, self.on_ping(msg.tag), self.stats.level_ms(), *self.sessions()))
         if isinstance(msg, P.StatsRequest):
             return answer(P.Stats(self.stats_json()))
         if not isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):
