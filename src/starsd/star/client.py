@@ -416,11 +416,13 @@ class Heartbeat(threading.Thread):
                         msg = P.decode(pong)[0]
                     except P.ProtocolError:
                         continue  # an answer all the same: the server is alive
-                    if isinstance(msg, P.Pong) and not msg.known:
+                    if not isinstance(msg, P.Pong):
+                        continue
+                    if not msg.known:
                         self.session_gone = True
-                    if isinstance(msg, P.Pong) and msg.level_ms > 0:
+                    if msg.level_ms > 0:
                         self.level_ms = msg.level_ms
-                    if isinstance(msg, P.Pong) and msg.local >= 0:
+                    if msg.local >= 0:
                         self.local = msg.local
         finally:
             sock.close(0)
