@@ -1,11 +1,15 @@
 """The depth policy alone: pure arithmetic on measured costs and acceptance."""
 
 import random
+import statistics
 
 import pytest
 
+import tiny
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models.drafter import Drafter
+from starsd.models.pair import Pair
+from starsd.prompts import Prompt
 from starsd.spec.decode import measure_verify, speculative, target_only
 from starsd.spec.depth import Acceptance, Costs, DepthPolicy
 
@@ -241,6 +245,48 @@ def test_one_policy_carries_over_a_streams_generations(tiny_target, tiny_drafter
         assert g.token_ids == target_only(tiny_target, p, 24, SamplingConfig()).token_ids
     assert policy.steps == sum(g.num_steps for g in gens)
     assert sum(policy.acceptance.tests) > 0 and policy.verify_ms.samples
+
+
+def test_a_pair_keeps_one_policy_for_all_its_generations(tiny_target, tiny_drafters):
+    """Co-located as in a target process: a Pair's second generation starts from what its first
+    learnt (one policy per drafter and draft shape; none at a fixed depth)."""
+    pair = Pair(tiny_target, tiny_drafters["good"], tiny.char_tokenizer(), frozenset())
+    cfg = DraftConfig(depth=4)
+    policy = pair.policy(pair.drafter, cfg)
+    assert policy is pair.policy(pair.drafter, cfg) and policy.max_depth == 4
+    assert policy is not pair.policy(tiny_drafters["random"], cfg) and policy is not pair.policy(pair.drafter,
+                                                                                                DraftConfig(depth=6))
+    assert pair.policy(pair.drafter, DraftConfig(depth=4, adaptive=False)) is None
+    gens = [pair.generate(Prompt(str(i), text, chat=False), 16, SamplingConfig(), cfg) for i, text in enumerate(["def f(x):", "ab"])]
+    assert policy.steps == sum(g.num_steps for g in gens)
+
+
+def test_a_stream_drafting_in_this_process_chooses_its_first_depth_after_the_prefill(tiny_target, tiny_drafters):
+    """Nothing overlaps the prefill of a stream that drafts in its own process, so its first depth
+    is chosen knowing what the prefill cost: a fresh policy takes that for a pass's until it has
+    measured one. Chosen before it, with a pass at its 100 ms prior, a fresh stream co-located here
+    (a drafted level 39 ms, the prefill about 600 ms) opened 1 to 5 deep where its drafts went on
+    8 deep on average; chosen after, mostly 5 to 10."""
+    seen = []
+
+    class Recorded(DepthPolicy):
+        def choose(self, limit: int) -> int:
+            seen.append(self.prefill_ms)
+            return super().choose(limit)
+
+    speculative(tiny_target, tiny_drafters["good"], [5, 9, 2, 7, 1], 12, DraftConfig(depth=4), SamplingConfig(),
+                policy=Recorded(4))
+    assert seen and seen[0] > 0
+    firsts = {}
+    for prefill in (0.0, 600.0):
+        firsts[prefill] = []
+        for seed in range(20):
+            policy = DepthPolicy(10, rng=random.Random(seed), inline=True)
+            policy.server_prior(38.7)
+            if prefill:
+                policy.prefill(prefill)
+            firsts[prefill].append(policy.choose(127))
+    assert statistics.median(firsts[0.0]) <= 2 and statistics.median(firsts[600.0]) >= 5
 
 
 def test_a_target_measures_its_verify_costs_before_its_first_stream(tiny_target, tiny_drafters):

@@ -154,12 +154,13 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     taps = drafter.taps
     width = getattr(target, "width", None)
     ask_ahead = policy is not None and drafter.asynchronous
+    inline = policy is not None and not drafter.asynchronous
     if policy is not None:
         policy.cohosted = drafter.cohosted
         policy.neighbours = drafter.neighbours
-        policy.inline = not drafter.asynchronous
+        policy.inline = inline
         policy.server_prior(drafter.level_ms)
-    depth = pick(max_new_tokens) if max_new_tokens > 0 else 0
+    depth = pick(max_new_tokens) if max_new_tokens > 0 and not inline else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
     first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)
              if ask_ahead and max_new_tokens > 0 else depth)
@@ -170,6 +171,10 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     seq = target.start(prompt_ids) if taps is None else target.start(prompt_ids, taps)
     if policy:
         policy.prefill((time.perf_counter() - t_prefill) * 1e3)
+    if inline and max_new_tokens > 0:  # a draft computed when asked, nothing to overlap with the prefill:
+        depth = pick(max_new_tokens)  # the first depth is chosen knowing the prefill's cost (a fresh policy
+        # takes it for a pass's until it measures one: asked before, with a pass at its 100 ms prior, a
+        # co-located stream opened 2 deep where its drafts ran 8 deep on average)
     new_tokens: list[int] = []  # committed, not yet given to the drafter
     new_features = [] if taps is None or seq.features is None else [seq.features]  # theirs, for a feature-level drafter
     produced = 0
