@@ -504,6 +504,8 @@ BENCHES = {  # name: (help, module with add_args and main)
     "distributed": ("one target: draft server over loopback vs co-located", "starsd.bench.distributed"),
     "depth": ("the default depth policy vs fixed depths, co-located and through a draft server, greedy and sampled",
               "starsd.bench.depth"),
+    "depth-replay": ("the depth policy and fixed depths replayed over drafts recorded once with the real pair "
+                     "(no run-to-run noise)", "starsd.bench.depth_replay"),
     "llamacpp": ("a llama.cpp target: alone, with StarSD co-located and from a draft server on a core of its own, "
                  "and llama.cpp's own speculation", "starsd.bench.llamacpp"),
     "streams": ("one llama.cpp target server given S requests at once: S streams batched vs one at a time",

@@ -76,6 +76,8 @@ class DraftJob:
     # feature of the position before new_tokens[i] (the first request's: the prompt's from its second token)
     second: list[int] = field(default_factory=list)  # set by the draft, for a deterministic chain: each
     # level's runner-up token (the likeliest target token where the draft's is rejected; see star/ahead.py)
+    path: list[float] = field(default_factory=list)  # set by the draft, for a deterministic chain: each level's
+    # path log-probability (where min_path_prob would stop it; bench/depth_replay.py records it)
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,7 @@ class Drafter(LocalDrafting):
         batch.retire_all_but([], expansions)
         for job, e in zip(jobs, expansions):
             job.second = e.second
+            job.path = [n.score for n in e.nodes] if e.cfg.top_k == 1 and not e.cfg.sample else []
         return [e.tree() for e in expansions]
 
     def _absorb(self, job: DraftJob) -> None:

@@ -1,0 +1,45 @@
+"""bench depth-replay: the policy replayed over recorded drafts, as the decoding loop drives it."""
+
+import math
+import random
+
+import pytest
+
+from starsd.bench import depth_replay
+from starsd.spec.depth import DepthPolicy
+
+def made_up(drafted: list[int], accepted: list[int]) -> tuple[dict, dict]:
+    """A trace whose chain at position t stops after drafted[t] levels below a path probability of 0.3."""
+    trace = {"draft_depth": 10, "verify_ms": {1: 100.0, 2: 110.0, 5: 140.0, 11: 200.0}, "level_ms": 10.0}
+    paths = [[math.log(0.9) * (k + 1) if k + 1 < n else math.log(0.2) for k in range(10)] for n in drafted]
+    prompt = {"id": "p", "tokens": len(drafted), "prefill_ms": 300.0, "ingest_ms": 50.0, "path": paths,
+              "accepted": accepted}
+    return trace, prompt
+
+
+def test_a_chain_stops_at_the_level_whose_path_probability_falls_below_the_threshold():
+    path = [math.log(p) for p in (0.9, 0.7, 0.5, 0.35, 0.2, 0.1)]
+    assert [depth_replay.levels(path, t) for t in (0.0, 0.15, 0.3, 0.45, 0.6, 0.95)] == [6, 6, 5, 4, 3, 1]
+
+
+def test_a_fixed_depth_costs_its_levels_and_its_verify_pass():
+    """40 tokens, every draft 10 deep and right: at depth 4, 8 steps of 4 levels (10 ms each) and a
+    verify of 5 tokens (140 ms), and the prompt's ingest once; a draft that stops at 2 levels by its
+    own confidence costs 2 levels and a pass of 3 whatever was asked."""
+    trace, prompt = made_up([10] * 40, [10] * 40)
+    tokens, ms = depth_replay.replay(trace, prompt, 4, None, random.Random(0), 128, 0.3, noise=0.0)
+    assert tokens == 40 and ms == pytest.approx(8 * (40 + 140) + 50)
+    trace, prompt = made_up([2] * 30, [2] * 30)
+    tokens, ms = depth_replay.replay(trace, prompt, 8, None, random.Random(0), 128, 0.3, noise=0.0)
+    assert tokens == 30 and ms == pytest.approx(10 * (20 + 120) + 50)
+
+
+def test_the_policy_drafts_where_drafts_pay_and_decodes_alone_where_none_does():
+    trace, prompt = made_up([10] * 120, [10] * 120)
+    policy = DepthPolicy(10, rng=random.Random(0))
+    tokens, ms = depth_replay.replay(trace, prompt, None, policy, random.Random(0), 128, 0.3)
+    assert tokens == 120 and tokens / ms > 2.5 / 100  # decoding alone: 1 token a 100 ms
+    trace, prompt = made_up([10] * 120, [0] * 120)
+    policy = DepthPolicy(10, rng=random.Random(0))
+    tokens, ms = depth_replay.replay(trace, prompt, None, policy, random.Random(0), 128, 0.3)
+    assert tokens == 120 and tokens / ms > 0.9 / 100
