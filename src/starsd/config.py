@@ -189,7 +189,11 @@ class DraftConfig:
                                 "it (6 bytes a token on the wire instead of 4 bytes for every token of the vocabulary)")
     sample_top_p: float = setting(0.995, "sampled chains: q keeps of those top k only the smallest set of likeliest "
                                   "tokens whose mass reaches this share of theirs (1: all k)")
-    min_path_prob: float = setting(0.3, "stop deepening once the best frontier path's draft probability falls below this (0: draft the full depth)")
+    min_path_prob: float = setting(0.5, "stop deepening once the best frontier path's draft probability falls below "
+                                   "this (0: draft the full depth)")
+    # One more level pays while its tokens' chance of acceptance exceeds its cost (a drafted level and the wider
+    # verify) times the stream's tokens per ms: about 0.45 co-located on transformers and 0.6-0.7 on llama.cpp on
+    # the CPUs here, against 0.3 before (bench depth-replay, docs/scheduler.md#replayed-over-recorded-drafts)
     adaptive: bool = setting(True, "choose each step's depth (at most depth; 0: decode the step alone) from the "
                              "stream's measured acceptance, draft wait and verify times; off: always `depth` "
                              "(seeded sampled runs are reproducible only then: the choice follows timings)")
