@@ -46,7 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens of each answer at most")
     p.add_argument("--trace", default="", help="replay this recorded trace (JSON) instead of recording one")
     p.add_argument("--trace-out", default="results/depth-trace.json", help="where a recorded trace is written")
-    p.add_argument("--stops", default="0.15,0.3,0.45,0.6", help="chain stopping thresholds (min_path_prob) to replay, "
+    p.add_argument("--stops", default="0.3,0.4,0.5,0.6,0.7", help="chain stopping thresholds (min_path_prob) to replay, "
                    "comma-separated")
     p.add_argument("--seeds", type=int, default=8, help="replays of each mode, each with its own cost draws")
     p.add_argument("--json-out", default="results/depth-replay.json", help="results as JSON here, the plot beside it")
