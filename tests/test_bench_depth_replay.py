@@ -54,8 +54,8 @@ def test_the_default_over_recorded_answers_against_the_best_fixed_depth():
     """Drafts recorded with the real pair co-located (16 HumanEval answers, a llama.cpp target on an
     AMX Xeon: `starsd bench depth-replay --prompts humaneval --limit 16 --trace-out ...`), replayed
     with the default chain stopping rule. A policy carried over the answers, as a target process or
-    a Pair keeps one, made 0.952x the tokens/s of the best fixed depth chosen in hindsight, a fresh
-    one per answer (`starsd generate`) 0.938x (the goal: 0.95x), both 1.3x decoding alone: held
+    a Pair keeps one, made 0.950x the tokens/s of the best fixed depth chosen in hindsight, a fresh
+    one per answer (`starsd generate`) 0.948x (the goal: 0.95x), both 1.29x decoding alone: held
     here to a little under what they make, so that a change that loses speed fails."""
     trace = depth_replay.load(TRACE)
     result = depth_replay.evaluate(trace, 4, trace["max_new_tokens"], DraftConfig().min_path_prob)

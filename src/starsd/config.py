@@ -189,11 +189,13 @@ class DraftConfig:
                                 "it (6 bytes a token on the wire instead of 4 bytes for every token of the vocabulary)")
     sample_top_p: float = setting(0.995, "sampled chains: q keeps of those top k only the smallest set of likeliest "
                                   "tokens whose mass reaches this share of theirs (1: all k)")
-    min_path_prob: float = setting(0.5, "stop deepening once the best frontier path's draft probability falls below "
+    min_path_prob: float = setting(0.3, "stop deepening once the best frontier path's draft probability falls below "
                                    "this (0: draft the full depth)")
     # One more level pays while its tokens' chance of acceptance exceeds its cost (a drafted level and the wider
     # verify) times the stream's tokens per ms: about 0.45 co-located on transformers and 0.6-0.7 on llama.cpp on
-    # the CPUs here, against 0.3 before (bench depth-replay, docs/scheduler.md#replayed-over-recorded-drafts)
+    # an AMX Xeon (bench depth-replay, docs/scheduler.md#replayed-over-recorded-drafts). 0.5 made co-located decoding
+    # 1.07x HF assisted against 1.02x, but `make demo` 0.87-0.96x decoding alone against 0.98-0.99x (its draft server
+    # busy 5-33% against 2-4%, for about one drafted step either way; cause not found): it stays 0.3 until then
     adaptive: bool = setting(True, "choose each step's depth (at most depth; 0: decode the step alone) from the "
                              "stream's measured acceptance, draft wait and verify times; off: always `depth` "
                              "(seeded sampled runs are reproducible only then: the choice follows timings)")
