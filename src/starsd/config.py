@@ -194,8 +194,8 @@ class DraftConfig:
     # One more level pays while its tokens' chance of acceptance exceeds its cost (a drafted level and the wider
     # verify) times the stream's tokens per ms: about 0.45 co-located on transformers and 0.6-0.7 on llama.cpp on
     # an AMX Xeon (bench depth-replay, docs/scheduler.md#replayed-over-recorded-drafts). 0.5 made co-located decoding
-    # 1.07x HF assisted against 1.02x, but `make demo` 0.87-0.96x decoding alone against 0.98-0.99x (its draft server
-    # busy 5-33% against 2-4%, for about one drafted step either way; cause not found): it stays 0.3 until then
+    # 1.07x HF assisted against 1.02x, but `make demo` ran at 0.87-0.96x decoding alone in four runs (its draft server
+    # busy 5-33%, for about one drafted step); at 0.3 0.97-0.98x in three, 0.84x in one: cause not found, it stays 0.3
     adaptive: bool = setting(True, "choose each step's depth (at most depth; 0: decode the step alone) from the "
                              "stream's measured acceptance, draft wait and verify times; off: always `depth` "
                              "(seeded sampled runs are reproducible only then: the choice follows timings)")
