@@ -69,9 +69,8 @@ class Pair:
         the pair, as a target process keeps one for all its prompts (star/worker.py), so that what it
         has learnt of the target's and the drafter's costs and of how often drafts are accepted carries
         over. A fresh policy per prompt starts every answer from its priors, and answers are short:
-        replayed over the drafts recorded co-located on 16 HumanEval and 11 chat answers (an AMX
-        Xeon), fresh policies made 0.91x and 0.95x the tokens/s of the best fixed depth, one carried
-        over the answers 0.99x on both."""
+        `bench colocated` (6 HumanEval prompts, an AMX Xeon) went from 0.98x to 1.02x HF assisted
+        generation with one policy carried over them (docs/benchmarks.md)."""
         if not draft.adaptive:
             return None
         key = (id(drafter), draft)
