@@ -12,10 +12,12 @@ pass over rows of different lengths (models/target.py, score_batch).
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 
 import httpx2 as httpx
 import pytest
@@ -150,6 +152,22 @@ def test_transformers_streams_scored_together_each_as_if_alone():
 def complete(url: str, prompt: str, max_tokens: int) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def test_an_engine_dropped_ends_its_batcher_thread_and_is_freed(model_dir):
+    """A target with several streams passes through its Batcher's thread; once nothing else holds the
+    engine, the thread ends and the engine (its model, its llama.cpp context) is freed, rather than
+    kept for the life of the process by a thread that loops forever."""
+    for make in (lambda: TargetModel(tiny.tiny_model(1), streams=2),
+                 lambda: LlamaCppTarget(model_dir / "model.gguf", threads=1, streams=2)):
+        engine = make()
+        steps_together(engine.slots, [[5, 6, 7], [8, 9]], engine.width)  # it served
+        gone = weakref.ref(engine)
+        thread = engine.batcher.thread
+        del engine
+        gc.collect()
+        thread.join(timeout=5)
+        assert gone() is None and not thread.is_alive()
 
 
 def test_serve_routes_two_streams_to_one_target_and_refuses_a_third(model_dir):

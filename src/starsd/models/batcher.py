@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 
@@ -34,12 +35,16 @@ class Batcher:
     whichever comes first: a stream that is waiting for its draft, or sending its tokens, does not
     hold the others back for longer than that. Jobs go in the order asked, as many as `capacity`
     rows hold (the first always). A pass that fails is tried again for each job alone, so that
-    only the stream whose rows the engine refuses hears of it."""
+    only the stream whose rows the engine refuses hears of it.
+
+    The thread holds its engine weakly (`run` is a bound method of it): once the engine is dropped,
+    the thread ends within IDLE_S, and the engine's memory goes with it."""
 
     GATHER_S = 0.004
+    IDLE_S = 1.0  # how often an idle thread looks whether its engine is still there
 
     def __init__(self, run, capacity: int, name: str):
-        self.run = run  # runs a list of jobs as one pass, under the engine's lock
+        self.run = weakref.WeakMethod(run)  # runs a list of jobs as one pass, under the engine's lock
         self.capacity = capacity  # rows one pass takes
         self.cond = threading.Condition()
         self.waiting: list[Job] = []
@@ -64,10 +69,13 @@ class Batcher:
             self.open += n
             self.cond.notify_all()
 
-    def _take(self) -> list[Job]:
+    def _take(self) -> list[Job] | None:
+        """The jobs of the next pass; None once the engine is gone."""
         with self.cond:
             while not self.waiting:
-                self.cond.wait()
+                if self.run() is None:
+                    return None
+                self.cond.wait(self.IDLE_S)
             until = time.monotonic() + self.GATHER_S
             while len(self.waiting) < self.open and (left := until - time.monotonic()) > 0:
                 self.cond.wait(left)
@@ -80,18 +88,26 @@ class Batcher:
             return taken
 
     def _loop(self) -> None:
-        while True:
-            taken = self._take()
-            try:
-                self.run(taken)
-            except BaseException as e:  # one stream's rows must not fail the others': each alone
-                for job in taken:
-                    try:
-                        if len(taken) > 1:
-                            self.run([job])
-                        else:
-                            job.error = e
-                    except BaseException as alone:
-                        job.error = alone
+        while (taken := self._take()) is not None:
+            self._pass(taken)
             for job in taken:
                 job.done.set()
+
+    def _pass(self, taken: list[Job]) -> None:
+        """Run the jobs as one pass (the engine is held only while it runs)."""
+        run = self.run()
+        if run is None:  # (a stream submits only through its engine, which it holds)
+            for job in taken:
+                job.error = RuntimeError("the target engine was closed")
+            return
+        try:
+            run(taken)
+        except BaseException as e:  # one stream's rows must not fail the others': each alone
+            for job in taken:
+                try:
+                    if len(taken) > 1:
+                        run([job])
+                    else:
+                        job.error = e
+                except BaseException as alone:
+                    job.error = alone
