@@ -522,6 +522,8 @@ BENCHES = {  # name: (help, module with add_args and main)
               "starsd.bench.serve"),
     "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",
                   "starsd.bench.multihost"),
+    "latency": ("the paper's latency claim: one pair alone against the same pair in a star of N (draft time per "
+                "drafted token, per-token latency p50/p99 and variance)", "starsd.bench.latency"),
     "slow-server": ("a draft server slowed on purpose: targets waiting for every draft vs the draft deadline",
                     "starsd.bench.slow_server"),
     "servers": ("two draft servers against one past saturation (replay targets, a core each), and one killed",

@@ -281,7 +281,7 @@ class DraftServer:
             log.exception("pre-draft of %d outcomes failed", len(todo))
             for s, _ in todo:
                 s.last_chain = []  # not eligible again until its next real draft
-        self.stats.count("predraft_s", time.perf_counter() - start)
+        self.stats.predrafted(start, time.perf_counter())
 
     def _reply(self, s: Session, req: Request, tree: DraftTree, start: float, end: float, batch_size: int) -> None:
         tensors = [tree.tokens.to(torch.int32), tree.parents.to(torch.int32)]

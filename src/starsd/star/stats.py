@@ -33,6 +33,8 @@ class ServerStats:
         self.predraft_misses = 0  # requests that came with other tokens than their pre-draft assumed
         self.predraft_yields = 0  # pre-draft batches cut short for a request that arrived
         self.predraft_s = 0.0  # compute spent pre-drafting (not in busy_s)
+        self.predraft_timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s) of
+        # each pre-draft run (not in `timeline`, which holds the batches that answer requests)
         # The drafted rows by kind, and the tokens each kind had the draft model ingest: "reset" (a
         # stream's whole sequence: a new prompt, or a stream back from decoding alone without its
         # draft state) and "step" (the tokens a stream committed since its last draft)
@@ -41,7 +43,8 @@ class ServerStats:
         self.levels: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step batches
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed, predraft_*."""
+        """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed, predrafts and
+        predraft_hits, _misses, _yields."""
         with self.lock:
             setattr(self, name, getattr(self, name) + n)
 
@@ -52,6 +55,13 @@ class ServerStats:
             self.busy_s += end - start
             wall = time.time() - time.perf_counter()  # perf_counter -> wall clock, comparable across processes
             self.timeline.append((round(start + wall, 6), round(end + wall, 6), size))
+
+    def predrafted(self, start: float, end: float) -> None:
+        """A pre-draft ran from `start` to `end` (time.perf_counter())."""
+        with self.lock:
+            self.predraft_s += end - start
+            wall = time.time() - time.perf_counter()
+            self.predraft_timeline.append((round(start + wall, 6), round(end + wall, 6)))
 
     def drafted(self, kind: str, tokens: int) -> None:
         """One row of a draft batch, of `kind` ("reset" or "step"), that ingested `tokens` first."""
@@ -104,6 +114,7 @@ class ServerStats:
                 "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0, "work": dict(self.work),
                 "predraft": {"outcomes": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,
                              "yields": self.predraft_yields, "seconds": self.predraft_s},
+                "predraft_timeline": list(self.predraft_timeline),
             }
 
 
