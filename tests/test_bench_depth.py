@@ -1,5 +1,6 @@
 """The co-located benchmarks end to end on tiny models: `bench depth` (the default depth policy
-against fixed depths, co-located and through a draft-server process) and `bench colocated`."""
+against fixed depths, co-located and through a draft-server process), `bench colocated` and `bench
+sampled-q`."""
 
 import json
 
@@ -11,13 +12,7 @@ from starsd import cli
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    tok = tiny.char_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}assistant: {% endif %}")
-    model = tiny.tiny_model(1)
-    target = tiny.save(model, tok, root / "target")
-    draft = tiny.save(tiny.perturbed(model, seed=7, scale=0.1), tok, root / "draft")
+    target, draft = tiny.save_pair(tmp_path_factory.mktemp("pair"), chat=True)
     return ["--target", target, "--draft", draft, "--dtype", "float32", "--draft-quantize", "none", "--threads", "1"]
 
 
@@ -44,3 +39,17 @@ def test_bench_colocated_without_an_eagle_head_finishes(pair, tmp_path):
                      "--json-out", str(out), *pair]) == 0
     result = json.loads(out.read_text())
     assert result["eagle_head"] is None and result["spec_tokens_per_s"] > 0
+
+
+def test_bench_sampled_q_weighs_the_support_the_full_q_and_the_argmax_draft(pair, tmp_path):
+    out = tmp_path / "sampled-q.json"
+    assert cli.main(["bench", "sampled-q", "--limit", "2", "--max-new-tokens", "12", "--temperatures", "0.7,1.0",
+                     "--draft-sample-top-k", "8", "--json-out", str(out), *pair]) == 0
+    result = json.loads(out.read_text())
+    assert [p["temperature"] for p in result["points"]] == [0.7, 1.0]
+    for p in result["points"]:
+        assert p["positions"] > 0
+        for key in ("acceptance_full_q", "acceptance_support", "acceptance_argmax_draft"):
+            assert 0 < p[key] <= 1
+    assert result["bytes_per_node_support_max"] == 6 * 8 and result["bytes_per_node_full_q"] == 4 * tiny.VOCAB
+    assert (tmp_path / "sampled-q.png").stat().st_size > 0

@@ -12,7 +12,6 @@ import tiny
 from starsd import cli
 from starsd import config as C
 from starsd.bench import harness, metrics, scale
-from starsd.bench.multihost import networks
 from starsd.theory import sysmodel
 
 
@@ -110,7 +109,7 @@ def test_checks_judge_the_issue_targets():
 
 
 def test_network_list_parses():
-    assert networks("0.2@1000,5,1@0") == [(0.2, 1000.0), (5.0, None), (1.0, None)]
+    assert harness.networks("0.2@1000,5,1@0") == [(0.2, 1000.0), (5.0, None), (1.0, None)]
 
 
 def test_out_of_sample_profile_takes_the_sweeps_shape_and_the_n1_points_scale():

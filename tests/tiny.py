@@ -47,8 +47,15 @@ def save(model: Qwen2ForCausalLM, tokenizer, path: Path) -> str:
     return str(path)
 
 
-def save_pair(root: Path) -> tuple[str, str]:
-    """A tiny target and a good tiny draft of it (same tokenizer) saved under root: their dirs."""
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def save_pair(root: Path, chat: bool = False) -> tuple[str, str]:
+    """A tiny target and a good tiny draft of it (same tokenizer) saved under root: their dirs. With
+    `chat`, the tokenizer has a chat template (for the chat prompt set)."""
     tok = char_tokenizer()
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
     target = tiny_model(1)
     return save(target, tok, root / "target"), save(perturbed(target, seed=7, scale=0.1), tok, root / "draft")

@@ -512,6 +512,8 @@ BENCHES = {  # name: (help, module with add_args and main)
                 "starsd.bench.streams"),
     "sampled-q": ("a sampled draft's q on the wire: its support against the full distribution, bytes and acceptance",
                   "starsd.bench.sampled_q"),
+    "sampled-link": ("sampled drafts across a slow link: a real target and draft server on emulated hosts (netns, "
+                     "tc tbf), greedy and sampled", "starsd.bench.sampled_link"),
     "service": ("the draft server's batch time S(b) by batch size, against the bare model's passes",
                 "starsd.bench.service"),
     "scale": ("throughput, utilisation and latency vs N targets (replay targets), with baselines",

@@ -18,6 +18,7 @@ import torch
 
 from starsd import config as C
 from starsd.bench import metrics
+from starsd.emulate import netns
 from starsd.emulate.replay import (LatencyProfile, Recording, ReplayTarget, measure_latency, record, record_features,
                                    recording_path)
 from starsd.errors import SettingError
@@ -179,6 +180,31 @@ class Runner:
         timeline = None if address is None else server_stats(address, self.prefix)["timeline"]
         its = metrics.iterations(rows)
         return metrics.point(its, n, w0, w1, timeline), [it for it in its if w0 <= it.end <= w1]
+
+
+def networks(text: str) -> list[tuple[float, float | None]]:
+    """"RTT_MS@MBIT,..." -> [(rtt_ms, mbit or None: unshaped), ...]."""
+    out = []
+    for item in text.split(","):
+        rtt, _, rate = item.partition("@")
+        mbit = float(rate) if rate else 0.0
+        out.append((float(rtt), mbit or None))
+    return out
+
+
+class LinkProxy:
+    """The delay proxy (emulate/delay_proxy.py) as a process inside a link's target namespace: what
+    the targets there connect to, `delay_ms` each way (this kernel has no netem)."""
+
+    def __init__(self, link: netns.Link, upstream: str, delay_ms: float):
+        argv = [*link.exec_argv(link.target_ns), sys.executable, "-m", "starsd.emulate.delay_proxy", "--listen",
+                "127.0.0.1:0", "--upstream", upstream.removeprefix("tcp://"), "--delay-ms", str(delay_ms)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.address = "tcp://" + read_json_line(self.proc, "ready", 30)["ready"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
 
 
 def server_stats(address: str, prefix: list[str] = (), ping: int = 0) -> dict:

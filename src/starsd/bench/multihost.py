@@ -14,9 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import subprocess
-import sys
-
 import torch
 
 from starsd import config as C
@@ -24,7 +21,6 @@ from starsd.bench import harness
 from starsd.emulate import netns
 from starsd.results import Steps, line_plot, summary, write_json
 from starsd.star.launch import start_server
-from starsd.star.processes import read_json_line
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -32,29 +28,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", default="0.2@1000,1@1000,5@1000,1@100,1@10",
                    help="RTT_MS@MBIT emulated networks, comma-separated (MBIT 0: unshaped)")
     p.set_defaults(targets="1,8", warmup_s=8.0, measure_s=20.0)
-
-
-def networks(text: str) -> list[tuple[float, float | None]]:
-    out = []
-    for item in text.split(","):
-        rtt, _, rate = item.partition("@")
-        mbit = float(rate) if rate else 0.0
-        out.append((float(rtt), mbit or None))
-    return out
-
-
-class Proxy:
-    """The delay proxy, as a process inside the target namespace."""
-
-    def __init__(self, link: netns.Link, upstream: str, delay_ms: float):
-        argv = [*link.exec_argv(link.target_ns), sys.executable, "-m", "starsd.emulate.delay_proxy", "--listen", "127.0.0.1:0",
-                "--upstream", upstream.removeprefix("tcp://"), "--delay-ms", str(delay_ms)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        self.address = "tcp://" + read_json_line(self.proc, "ready", 30)["ready"]
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
 
 
 def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float | None, steps: Steps) -> list[dict]:
@@ -66,7 +39,7 @@ def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float |
                             prefix=link.exec_argv(link.draft_ns))
         proxy = None
         try:
-            proxy = Proxy(link, star.address, rtt_ms / 2)
+            proxy = harness.LinkProxy(link, star.address, rtt_ms / 2)
             runner = harness.Runner(runner_inputs, args, prefix=link.exec_argv(link.target_ns))
             # every step drafts: the figures are a draft request's overheads, not the depth policy's
             # choice (which, with tiny models and a slow link, is rightly to decode alone)
@@ -104,7 +77,7 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)
     inputs = harness.prepare(args)
     points = []
-    nets = networks(args.network)
+    nets = harness.networks(args.network)
     with Steps("bench multihost", len(nets) * len(ns), step_s=args.warmup_s + args.measure_s) as steps:
         for rtt, rate in nets:
             points += run_network(inputs, args, ns, rtt, rate, steps)
@@ -114,7 +87,7 @@ def main(args) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "func"}, "points": points})
     stem = str(args.json_out).rsplit(".", 1)[0]
     series = []
-    rate = networks(args.network)[0][1]  # the delay sweep is drawn at the first network's bandwidth
+    rate = harness.networks(args.network)[0][1]  # the delay sweep is drawn at the first network's bandwidth
     for n in ns:
         mine = [p for p in points if p["n"] == n and p["rate_mbit"] == rate]
         series.append({"label": f"N={n}", "x": [p["ping_rtt_ms"] for p in mine],

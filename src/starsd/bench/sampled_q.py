@@ -6,7 +6,9 @@ distribution p and a draft distribution q, both warped by the sampling settings.
 from q is accepted with probability sum_x min(p(x), q(x)): the expected acceptance per drafted
 token, computed exactly rather than sampled. It is computed for the full q and for its truncation
 with the draft's settings (`--draft-sample-top-k`, `--draft-sample-top-p`), along with the bytes a
-node of each takes on the wire (full: 4 V bytes; support: 6 bytes a kept token).
+node of each takes on the wire (full: 4 V bytes; support: 6 bytes a kept token). Beside them, the
+default draft, which proposes its argmax x (q one-hot, nothing on the wire): accepted with
+probability p(x).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main(args) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     full = {t: [] for t in temperatures}
     kept = {t: [] for t in temperatures}
+    argmax = {t: [] for t in temperatures}
     width = []
     with Steps("bench sampled-q", len(prompts)) as steps:
         for prompt in prompts:
@@ -59,11 +62,13 @@ def main(args) -> int:
                 sparse = SparseQ.truncate(q, draft.sample_top_k, draft.sample_top_p)
                 full[t] += torch.minimum(p, q).sum(-1).tolist()
                 kept[t] += torch.minimum(p, sparse.dense(p.shape[-1])).sum(-1).tolist()
+                argmax[t] += p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1).tolist()
                 width += (sparse.weights > 0).sum(-1).tolist()
             steps.end(f"{prompt.id}: {len(answer)} positions")
     vocab = pair.target.width
     points = [{"temperature": t, "positions": len(full[t]), "acceptance_full_q": sum(full[t]) / len(full[t]),
-               "acceptance_support": sum(kept[t]) / len(kept[t])} for t in temperatures]
+               "acceptance_support": sum(kept[t]) / len(kept[t]),
+               "acceptance_argmax_draft": sum(argmax[t]) / len(argmax[t])} for t in temperatures]
     for point in points:
         point["relative"] = point["acceptance_support"] / point["acceptance_full_q"]
     bytes_support = 6 * sum(width) / len(width)
@@ -73,15 +78,17 @@ def main(args) -> int:
               "bytes_per_node_support_max": 6 * draft.sample_top_k, "points": points}
     write_json(args.json_out, result)
     png = str(args.json_out).rsplit(".", 1)[0] + ".png"
-    bar_panels(png, [{"labels": ["full q", "support"], "values": [round(p["acceptance_full_q"], 4),
-                                                                  round(p["acceptance_support"], 4)],
+    bar_panels(png, [{"labels": ["full q", "support", "argmax draft"],
+                      "values": [round(p[k], 4) for k in ("acceptance_full_q", "acceptance_support",
+                                                          "acceptance_argmax_draft")],
                       "ylabel": "expected acceptance per drafted token", "title": f"temperature {p['temperature']}"}
                      for p in points])
     summary(f"bench sampled-q: {len(prompts)} {args.prompts} prompts, {args.max_new_tokens}-token answers; q's "
             f"support: top {draft.sample_top_k}, top-p {draft.sample_top_p}",
-            ["temperature", "positions", "acceptance, full q", "acceptance, support", "support / full"],
+            ["temperature", "positions", "acceptance, full q", "acceptance, support", "support / full",
+             "acceptance, argmax draft"],
             [[p["temperature"], p["positions"], f"{p['acceptance_full_q']:.4f}", f"{p['acceptance_support']:.4f}",
-              f"{p['relative']:.4f}"] for p in points],
+              f"{p['relative']:.4f}", f"{p['acceptance_argmax_draft']:.4f}"] for p in points],
             facts={"bytes a node": f"{4 * vocab:,} (full q) -> {bytes_support:.0f} mean, {6 * draft.sample_top_k} at most"},
             files={"JSON": args.json_out, "plot": png})
     return 0

@@ -55,6 +55,7 @@ def run(connect: str, pair_cfg: PairConfig, prompts: list[Prompt], max_new_token
                 print(json.dumps({
                     "target": name, "prompt_id": prompt.id, "prompt": prompt.text, "token_ids": gen.token_ids,
                     "text": text, "num_steps": gen.num_steps, "drafted_steps": sum(d > 0 for d in gen.depths), "asked": gen.asked,
+                    "depths": gen.depths, "vocab": pair.target.width,
                     "mean_accepted": gen.mean_accepted,
                     "seconds": gen.seconds, "tokens_per_s": gen.tokens_per_s, "started": started,
                     "finished": time.time(), "draft": drafter.timing.summary(),
