@@ -177,6 +177,20 @@ def test_acceptance_covers_every_recorded_continuation(tmp_path):
     assert sorted(tokens) == sorted(expected) and len(tokens) >= 15
 
 
+def test_scale_runs_the_batched_single_pair_whatever_the_ns_asked():
+    """The model's R and tau come from the batched server at N = 1: `--targets 2,8` measured every
+    point and then failed (KeyError ('batched', 1)) before writing anything."""
+    draft = C.DraftConfig()
+    modes = scale.server_modes(draft, "2", False)
+    asked = [(p[0], p[3], p[4]) for p in scale.plan_points(modes, ["target-only", "batched", "star"], [2, 8])]
+    assert asked == [("batched", [1], False), ("batched", [2, 8], True), ("star", [2, 8], True),
+                     ("batched-d2", [2, 8], True)]
+    asked = [(p[0], p[3], p[4]) for p in scale.plan_points(modes, ["star"], [1, 4])]
+    assert asked == [("batched", [1], False), ("star", [1, 4], True), ("batched-d2", [1, 4], True)]
+    asked = [(p[0], p[3], p[4]) for p in scale.plan_points(modes, ["batched"], [1, 4])]
+    assert asked == [("batched", [1, 4], True), ("batched-d2", [1, 4], True)]
+
+
 def test_scale_benchmark_end_to_end_on_tiny_models(tmp_path):
     t, d = tiny.save_pair(tmp_path)
     out = tmp_path / "scale.json"

@@ -6,7 +6,8 @@ Per prompt every mode runs once, in an order rotated per prompt so that drift in
 speed hits every mode alike: target-only decoding, the default (the adaptive depth policy) and each
 fixed depth (`--no-draft-adaptive --draft-depth d`). Co-located, each generation starts a fresh
 policy, as `starsd generate` does; through the server one policy serves all the prompts of a
-temperature, as a target process keeps one for its life (after one warm-up prompt, not measured).
+temperature, as a target process keeps one for its life (its verify costs measured first, then one
+warm-up prompt, not measured).
 The figure of merit is the default's tokens/s over the best fixed depth's, the best chosen in
 hindsight per placement and temperature, and over target-only. Tokens/s here are the decoding's,
 after each prompt's first step (its prefill and first token cost every mode alike and would only
@@ -23,7 +24,7 @@ from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_panels, summary, write_json
-from starsd.spec.decode import speculative, target_only
+from starsd.spec.decode import measure_verify, speculative, target_only
 from starsd.spec.depth import DepthPolicy
 from starsd.star.client import DraftClient
 from starsd.star.remote_drafter import RemoteDrafter
@@ -84,6 +85,7 @@ def main(args) -> int:
                 sampling = C.SamplingConfig(temperature=temperature, seed=1)
                 policy = DepthPolicy(C.DraftConfig().depth)  # the star target's, carried over its prompts
                 if remote:
+                    measure_verify(pair.target, policy)  # as a target process does before its first stream
                     steps.say(f"warm-up at temperature {temperature}")
                     speculative(pair.target, remote, prompts[0].encode(pair.tokenizer), args.max_new_tokens,
                                 C.DraftConfig(), sampling, pair.eos_ids, policy=policy)

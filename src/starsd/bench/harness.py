@@ -6,6 +6,7 @@ measurements. No benchmark imports another; they all import this.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -29,10 +30,11 @@ from starsd.models.kv import KV
 from starsd.models.loading import load_eagle
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
-from starsd.results import Steps
+from starsd.results import Steps, summary, write_json
 from starsd.spec.verify import verify_greedy
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
+from starsd.star.launch import start_server
 from starsd.star.processes import read_json_line, spawn
 
 WIDTHS = [1, 2, 3, 4, 6, 8, 11, 16]  # scored tokens per verify pass, for the measured latency profile
@@ -190,6 +192,37 @@ def networks(text: str) -> list[tuple[float, float | None]]:
         mbit = float(rate) if rate else 0.0
         out.append((float(rtt), mbit or None))
     return out
+
+
+def no_namespaces(title: str, json_out: str) -> bool:
+    """Whether network namespaces cannot be made here (root and iproute2 are needed): then the
+    benchmark's JSON says why and its summary says it is skipped. Else stale namespaces of dead runs
+    are removed first."""
+    reason = netns.available()
+    if reason:
+        write_json(json_out, {"skipped": reason})
+        summary(f"{title}: skipped", ["reason"], [[reason]], files={"JSON": json_out})
+        return True
+    netns.cleanup_stale()
+    return False
+
+
+@contextlib.contextmanager
+def across_link(pair: C.PairConfig, server: C.ServerConfig, rtt_ms: float, rate_mbit: float | None):
+    """Two emulated hosts (netns.Link, shaped to rate_mbit): a draft server on the draft host, and a
+    delay proxy to it on the target host adding half of rtt_ms each way; yields (link, proxy), the
+    proxy's address being what the target host's targets connect to."""
+    with netns.Link(rate_mbit) as link:
+        star = start_server(pair, dataclasses.replace(server, insecure=True),  # a veth of namespaces made
+                            host=link.draft_ip, prefix=link.exec_argv(link.draft_ns))  # here: no other host reaches it
+        proxy = None
+        try:
+            proxy = LinkProxy(link, star.address, rtt_ms / 2)
+            yield link, proxy
+        finally:
+            if proxy:
+                proxy.close()
+            star.close()
 
 
 class LinkProxy:

@@ -18,9 +18,7 @@ import torch
 
 from starsd import config as C
 from starsd.bench import harness
-from starsd.emulate import netns
 from starsd.results import Steps, line_plot, summary, write_json
-from starsd.star.launch import start_server
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -31,48 +29,34 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_network(runner_inputs, args, ns: list[int], rtt_ms: float, rate: float | None, steps: Steps) -> list[dict]:
-    with netns.Link(rate) as link:
-        steps.say(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit: starting the draft server")
-        server = dataclasses.replace(harness.server_config(args, serial=False), insecure=True)  # a veth of
-        # network namespaces made here: no other host can reach it
-        star = start_server(C.from_args(C.PairConfig, args), server, host=link.draft_ip,
-                            prefix=link.exec_argv(link.draft_ns))
-        proxy = None
-        try:
-            proxy = harness.LinkProxy(link, star.address, rtt_ms / 2)
-            runner = harness.Runner(runner_inputs, args, prefix=link.exec_argv(link.target_ns))
-            # every step drafts: the figures are a draft request's overheads, not the depth policy's
-            # choice (which, with tiny models and a slow link, is rightly to decode alone)
-            fixed = dataclasses.replace(runner_inputs.draft, adaptive=False)
-            ping = harness.server_stats(proxy.address, runner.prefix, ping=50)["ping_ms"]["median"]
-            points = []
-            for n in ns:
-                steps.begin(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}")
-                pt, its = runner.point(proxy.address, n, draft=fixed)
-                drafted = [it for it in its if it.batch]
-                mean_len = statistics.fmean(it.tokens for it in drafted)
-                ser = harness.serialisation_ms(depth=max(1, round(pt["tokens_per_iteration"] * 2)), new_tokens=round(mean_len))
-                pt.update(mode="batched", rtt_ms=rtt_ms, rate_mbit=rate, ping_rtt_ms=ping, serialisation_ms=ser,
-                          network_ms=pt["overhead_ms"] - ser)
-                pt.pop("utilization_over_time", None)
-                points.append(pt)
-                steps.end(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}: {pt['system_tokens_per_s']:.1f} tok/s, "
-                          f"overhead {pt['overhead_ms']:.2f} ms (network {pt['network_ms']:.2f}, serialisation "
-                          f"{ser:.3f}), ping {ping:.2f} ms")
-            return points
-        finally:
-            if proxy:
-                proxy.close()
-            star.close()
+    steps.say(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit: starting the draft server")
+    pair = C.from_args(C.PairConfig, args)
+    with harness.across_link(pair, harness.server_config(args, serial=False), rtt_ms, rate) as (link, proxy):
+        runner = harness.Runner(runner_inputs, args, prefix=link.exec_argv(link.target_ns))
+        # every step drafts: the figures are a draft request's overheads, not the depth policy's
+        # choice (which, with tiny models and a slow link, is rightly to decode alone)
+        fixed = dataclasses.replace(runner_inputs.draft, adaptive=False)
+        ping = harness.server_stats(proxy.address, runner.prefix, ping=50)["ping_ms"]["median"]
+        points = []
+        for n in ns:
+            steps.begin(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}")
+            pt, its = runner.point(proxy.address, n, draft=fixed)
+            drafted = [it for it in its if it.batch]
+            mean_len = statistics.fmean(it.tokens for it in drafted)
+            ser = harness.serialisation_ms(depth=max(1, round(pt["tokens_per_iteration"] * 2)), new_tokens=round(mean_len))
+            pt.update(mode="batched", rtt_ms=rtt_ms, rate_mbit=rate, ping_rtt_ms=ping, serialisation_ms=ser,
+                      network_ms=pt["overhead_ms"] - ser)
+            pt.pop("utilization_over_time", None)
+            points.append(pt)
+            steps.end(f"RTT {rtt_ms} ms @ {rate or 'unshaped'} Mbit, N={n}: {pt['system_tokens_per_s']:.1f} tok/s, "
+                      f"overhead {pt['overhead_ms']:.2f} ms (network {pt['network_ms']:.2f}, serialisation "
+                      f"{ser:.3f}), ping {ping:.2f} ms")
+        return points
 
 
 def main(args) -> int:
-    reason = netns.available()
-    if reason:
-        write_json(args.json_out, {"skipped": reason})
-        summary("bench multihost: skipped", ["reason"], [[reason]], files={"JSON": args.json_out})
+    if harness.no_namespaces("bench multihost", args.json_out):
         return 0
-    netns.cleanup_stale()
     ns = harness.numbers(args.targets)
     torch.set_num_threads(args.threads)
     inputs = harness.prepare(args)

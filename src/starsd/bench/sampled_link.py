@@ -30,7 +30,7 @@ from starsd.bench import harness
 from starsd.emulate import netns
 from starsd.errors import Unavailable
 from starsd.results import Steps, bar_panels, summary, write_json
-from starsd.star.launch import start_server, target_command
+from starsd.star.launch import target_command
 from starsd.star.processes import describe, spawn
 
 
@@ -89,37 +89,23 @@ def figures(rows: list[dict], rate_mbit: float | None, carries_q: bool) -> dict:
 
 
 def run_network(args, rtt_ms: float, rate: float | None, steps: Steps) -> list[dict]:
-    with netns.Link(rate) as link:
-        server = C.ServerConfig(insecure=True,  # a veth of namespaces made here: no other host reaches it
-                                predraft=False)  # the target is on this machine's cores, whatever its namespace
-        star = start_server(C.from_args(C.PairConfig, args), server, host=link.draft_ip,
-                            prefix=link.exec_argv(link.draft_ns))
-        proxy = None
-        try:
-            proxy = harness.LinkProxy(link, star.address, rtt_ms / 2)
-            points = []
-            for run, (sampled, sample) in RUNS.items():
-                where = f"RTT {rtt_ms:g} ms @ {rate or 'unshaped'} Mbit, {run}"
-                steps.begin(where)
-                t = args.temperature if sampled else 0.0
-                pt = {"rtt_ms": rtt_ms, "rate_mbit": rate, "run": run, "temperature": t, "draft_sample": sample,
-                      **figures(decode(link, proxy.address, args, t, sample), rate, carries_q=sample)}
-                points.append(pt)
-                steps.end(f"{where}: {pt['tokens_per_s']:.2f} tok/s, a draft's overhead {pt['overhead_ms']:.2f} ms")
-            return points
-        finally:
-            if proxy:
-                proxy.close()
-            star.close()
+    server = C.ServerConfig(predraft=False)  # the target is on this machine's cores, whatever its namespace
+    with harness.across_link(C.from_args(C.PairConfig, args), server, rtt_ms, rate) as (link, proxy):
+        points = []
+        for run, (sampled, sample) in RUNS.items():
+            where = f"RTT {rtt_ms:g} ms @ {rate or 'unshaped'} Mbit, {run}"
+            steps.begin(where)
+            t = args.temperature if sampled else 0.0
+            pt = {"rtt_ms": rtt_ms, "rate_mbit": rate, "run": run, "temperature": t, "draft_sample": sample,
+                  **figures(decode(link, proxy.address, args, t, sample), rate, carries_q=sample)}
+            points.append(pt)
+            steps.end(f"{where}: {pt['tokens_per_s']:.2f} tok/s, a draft's overhead {pt['overhead_ms']:.2f} ms")
+        return points
 
 
 def main(args) -> int:
-    reason = netns.available()
-    if reason:
-        write_json(args.json_out, {"skipped": reason})
-        summary("bench sampled-link: skipped", ["reason"], [[reason]], files={"JSON": args.json_out})
+    if harness.no_namespaces("bench sampled-link", args.json_out):
         return 0
-    netns.cleanup_stale()
     nets = harness.networks(args.network)
     points = []
     with Steps("bench sampled-link", len(nets) * len(RUNS)) as steps:

@@ -457,6 +457,20 @@ def server_modes(draft: C.DraftConfig, fixed_depths: str, eagle: bool = False) -
                   for d in (harness.numbers(fixed_depths) if fixed_depths else []) if d != draft.depth]
 
 
+def plan_points(server_modes: list[tuple[str, C.DraftConfig, bool]], modes: list[str], ns: list[int]) -> list[tuple]:
+    """What each server mode runs: (mode, how its targets draft, whether its server pre-drafts, its
+    Ns, whether its points are reported). The batched server's N = 1 point is the analytical model's
+    R and tau: it runs whatever was asked (unreported where N = 1 or batched was not)."""
+    plan = []
+    for mode, draft, predraft in server_modes:
+        wanted = mode in modes or mode.startswith("batched-d") or mode == "eagle"
+        if mode == "batched" and not (wanted and 1 in ns):
+            plan.append((mode, draft, predraft, [1], False))
+        if wanted:
+            plan.append((mode, draft, predraft, ns, True))
+    return plan
+
+
 def main(args) -> int:
     if args.reanalyse:
         return reanalyse(args.reanalyse, args.seed)
@@ -484,11 +498,7 @@ def main(args) -> int:
             features=load_features(inputs.recording_file, head.taps)).items()}
         del head
     runner = harness.Runner(inputs, args)
-    plan = []  # (mode, how its targets draft, whether its server pre-drafts, its Ns, whether it is reported)
-    for mode, draft, predraft in server_modes(inputs.draft, args.fixed_depths, bool(pair.eagle)):
-        wanted = mode in modes or mode.startswith("batched-d") or mode == "eagle"
-        if wanted or mode == "batched":  # batched at N = 1 is the model's R and tau: always run
-            plan.append((mode, draft, predraft, ns if wanted else [1], wanted))
+    plan = plan_points(server_modes(inputs.draft, args.fixed_depths, bool(pair.eagle)), modes, ns)
     its = {}
     servers = {}  # (serial, predraft, eagle) -> a running draft server
     with Steps("bench scale", 1 + sum(len(p[3]) for p in plan), step_s=args.warmup_s + args.measure_s) as steps:
@@ -507,8 +517,8 @@ def main(args) -> int:
                 pts, mode_its = run_server_mode(runner, servers[key].address, mode_ns, mode, draft, predraft, steps)
                 (points if wanted else unshown).extend(pts)  # the model's N = 1 point, shown or not
                 its.update({(mode, n): v for n, v in mode_its.items()})
-                if mode == "batched" and "single-pair" in modes:
-                    points += derived(pts[0], "single-pair", ns)
+                if mode == "batched" and "single-pair" in modes and 1 in mode_ns:
+                    points += derived(pts[mode_ns.index(1)], "single-pair", ns)
         finally:
             for star in servers.values():
                 star.close()

@@ -14,7 +14,7 @@ from starsd.models.loading import (check_pair, eos_ids, generation_config, load_
                                    logits_width)
 from starsd.models.target import TargetModel
 from starsd.prompts import Prompt
-from starsd.spec.decode import Generation, speculative, target_only
+from starsd.spec.decode import Generation, speculative, target_only, warm_up
 from starsd.spec.depth import DepthPolicy
 
 
@@ -74,6 +74,8 @@ class Pair:
         if not draft.adaptive:
             return None
         key = (id(drafter), draft)
+        if not self.policies:  # the first policy's first measured pass must not be the engine's first touch
+            warm_up(self.target)
         if key not in self.policies:  # the drafter is kept with it: its id is not reused while the key lives
             self.policies[key] = (drafter, DepthPolicy(draft.depth))
         return self.policies[key][1]
