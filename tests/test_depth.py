@@ -263,7 +263,7 @@ def test_a_pair_keeps_one_policy_for_all_its_generations(tiny_target, tiny_draft
 
 def test_a_pairs_first_policy_warms_its_target_first(tiny_target, tiny_drafters, monkeypatch):
     """An engine's first pass after loading is far its slowest (transformers in bf16 on an AMX Xeon:
-    813 ms for 2 tokens, then 220-230), and a fresh stream that measured it decoded alone for 15
+    813 ms for 2 tokens, then 220-230), and a fresh stream that measured it once decoded alone for 14
     steps: a Pair's first adaptive generation starts after one untimed pass on a throwaway stream,
     and later generations do not pay it again."""
     pair = Pair(tiny_target, tiny_drafters["good"], tiny.char_tokenizer(), frozenset())

@@ -249,10 +249,10 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
 def warm_up(target, context: int = 16) -> None:
     """One untimed pass on a throwaway stream, right after the target is loaded. An engine's first
     verify pass is far slower than the next ones (transformers in bf16 on an AMX Xeon: 813 ms for 2
-    tokens, then 220-230 ms for 1 to 4), and a fresh stream that measured it took drafting for dear
-    and decoded alone for 15 steps before it looked again (`starsd generate`: 7.6 tokens/s against
-    13.6 on the same prompt once warm). A target process measures its verify costs before its first
-    stream instead (measure_verify), which warms it the same way."""
+    tokens, then 220-230 ms for 1 to 4), and a fresh stream that measured it can take drafting for
+    dear: in one of two such runs it decoded alone for 14 steps before it looked again (7.6 tokens/s
+    on HumanEval/0 against 13.6 in the other). A target process measures its verify costs before its
+    first stream instead (measure_verify), which warms it the same way."""
     width = getattr(target, "width", None) or 1 << 16
     ids = [(100 + i) % width for i in range(context + 1)]
     target.score(target.start(ids[:context]), DraftTree.chain(ids[context:]))
