@@ -105,12 +105,19 @@ def figures(rows: list[dict], its: list[metrics.Iteration], timeline: list, pred
             "per_token_latency_ms": spread(metrics.per_token_latencies(inside))}
 
 
+def by_mode(points: list[dict]) -> dict[str, list[dict]]:
+    """The points of each mode, in the order the modes ran, each mode's by N."""
+    out: dict[str, list[dict]] = {}
+    for p in points:
+        out.setdefault(p["mode"], []).append(p)
+    return {mode: sorted(mine, key=lambda p: p["n"]) for mode, mine in out.items()}
+
+
 def checks(points: list[dict]) -> dict:
     """Per mode, the largest N against N = 1 (the pair alone): the ratio of draft time per drafted
     token and of per-token latency variance and CV, and whether each is lower in the star."""
     out = {}
-    for mode in dict.fromkeys(p["mode"] for p in points):
-        mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["n"])
+    for mode, mine in by_mode(points).items():
         pair, star = mine[0], mine[-1]
         if pair["n"] != 1 or star["n"] == 1:
             continue
@@ -160,11 +167,8 @@ def run(args, steps: Steps) -> dict:
 
 
 def _series(points: list[dict], key) -> list[dict]:
-    out = []
-    for mode in dict.fromkeys(p["mode"] for p in points):
-        mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["n"])
-        out.append({"label": mode, "x": [p["n"] for p in mine], "y": [key(p) for p in mine], "marker": "o"})
-    return out
+    return [{"label": mode, "x": [p["n"] for p in mine], "y": [key(p) for p in mine], "marker": "o"}
+            for mode, mine in by_mode(points).items()]
 
 
 def main(args) -> int:

@@ -53,15 +53,13 @@ class ServerStats:
         with self.lock:
             self.batch_sizes[size] += 1
             self.busy_s += end - start
-            wall = time.time() - time.perf_counter()  # perf_counter -> wall clock, comparable across processes
-            self.timeline.append((round(start + wall, 6), round(end + wall, 6), size))
+            self.timeline.append((*_wall(start, end), size))
 
     def predrafted(self, start: float, end: float) -> None:
         """A pre-draft ran from `start` to `end` (time.perf_counter())."""
         with self.lock:
             self.predraft_s += end - start
-            wall = time.time() - time.perf_counter()
-            self.predraft_timeline.append((round(start + wall, 6), round(end + wall, 6)))
+            self.predraft_timeline.append(_wall(start, end))
 
     def drafted(self, kind: str, tokens: int) -> None:
         """One row of a draft batch, of `kind` ("reset" or "step"), that ingested `tokens` first."""
@@ -116,6 +114,12 @@ class ServerStats:
                              "yields": self.predraft_yields, "seconds": self.predraft_s},
                 "predraft_timeline": list(self.predraft_timeline),
             }
+
+
+def _wall(start: float, end: float) -> tuple[float, float]:
+    """time.perf_counter() instants as unix seconds: comparable across processes (the targets' clocks)."""
+    offset = time.time() - time.perf_counter()
+    return round(start + offset, 6), round(end + offset, 6)
 
 
 def busy_fraction(timeline: list, start: float, end: float) -> float:
