@@ -112,7 +112,8 @@ def test_soak_short_every_fault_survived_nothing_lost(tmp_path):
     result = json.loads(out.read_text())
     assert [f["kind"] for f in result["faults"]] == list(KINDS), run.stderr[-3000:]
     not_survived = [f for f in result["faults"] if not f["survived"]]
-    assert not not_survived, not_survived
+    # whole, with the servers' sessions over time: a fault not survived once on CI showed only its first figures
+    assert not not_survived, json.dumps({"faults": not_survived, "timeline": result["timeline"][:30]})
     outputs = result["outputs"]
     assert outputs["tokens_lost"] == 0 and outputs["differing"] == 0 and outputs["failed"] == 0
     assert outputs["complete"] > 8  # every target decoded whole prompts
