@@ -11,7 +11,7 @@ from starsd.models.drafter import Drafter
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
 from starsd.spec.decode import measure_verify, speculative, target_only
-from starsd.spec.depth import Acceptance, Costs, DepthPolicy
+from starsd.spec.depth import MAX_STOP, Acceptance, Costs, DepthPolicy
 
 
 def test_draft_costs_are_a_line_through_each_depths_median():
@@ -548,3 +548,50 @@ def test_a_cohosted_draft_is_charged_to_every_other_target_on_the_cores():
     assert shared.first(10) == 0
     assert run(shared, 64, decode_ms=164, verify_per_token=45, draft_per_level=46, wait_ms=0, right=1,
                share_per_level=46) == [0] * 64
+
+
+def costed(verify: dict[int, float], level_ms: float) -> DepthPolicy:
+    """A stream that has measured its verify passes by width and its drafts' levels, and whose drafts
+    were right for their first 6 tokens of 10 (drafted 10 deep)."""
+    policy = DepthPolicy(10, verify_ms=measured_table(verify))
+    for _ in range(3):
+        for d in (2, 5, 9):
+            policy.draft_ms.add(d, level_ms * d)
+    for _ in range(20):
+        policy.acceptance.add(10, 6)
+    policy.chosen = 10
+    return policy
+
+
+def test_a_chain_stops_where_one_more_level_no_longer_pays():
+    """One more level pays while its path's chance of being accepted beats its cost (a drafted level
+    and one more verified token) in tokens at the stream's rate. A llama.cpp target on a CPU pays
+    a good part of a token's time for each token it verifies (117 ms for one, 244 for 5 on an AMX
+    Xeon): its chains stop early; a transformers target on a CPU verifies 1 to 11 tokens in about
+    one pass's time: they run on; with a level nearly free against a target pass (a GPU), on further
+    still. A fixed 0.3 fit none of them."""
+    llamacpp = costed({w: 117 + 32 * (w - 1) for w in (1, 2, 3, 5, 8, 11)}, 38.5).stop()
+    transformers = costed({1: 200, 2: 201, 5: 203, 11: 210}, 38.0).stop()
+    gpu = costed({1: 30, 11: 31}, 1.0).stop()
+    assert gpu < 0.3 < transformers < llamacpp <= MAX_STOP
+    assert costed({1: 100, 11: 100}, 1000.0).stop() == MAX_STOP  # a level dearer than all it could win
+
+
+def test_each_draft_stops_where_the_policy_says_unless_told_to_stop_at_min_path_prob(tiny_target, tiny_drafters):
+    """The decoding loop gives each draft the policy's threshold of the step (auto_stop), or the
+    configured one (auto_stop off, or no policy)."""
+    class Told(Drafter):
+        def propose(self, seq, new_tokens, cfg, *args, **kwargs):
+            stops.append((cfg.min_path_prob, policy.stop()))
+            return super().propose(seq, new_tokens, cfg, *args, **kwargs)
+
+    drafter = Told(tiny_drafters["good"].model)
+    prompt = [5, 9, 2, 7, 1]
+    for auto in (True, False):
+        stops = []
+        policy = DepthPolicy(4)
+        cfg = DraftConfig(depth=4, min_path_prob=0.3, auto_stop=auto)
+        gen = speculative(tiny_target, drafter, prompt, 24, cfg, SamplingConfig(), policy=policy)
+        assert gen.token_ids == target_only(tiny_target, prompt, 24, SamplingConfig()).token_ids
+        told, chosen = zip(*stops)
+        assert told == (chosen if auto else (0.3,) * len(told))

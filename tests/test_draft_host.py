@@ -44,6 +44,8 @@ def test_a_recording_answers_as_the_real_drafter_below_every_recorded_prefix(tin
             want = draft(real, context, cfg)
             assert draft(emulated, context, cfg) == want
             assert draft(emulated, context, UNSURE, max_depth=depth) == want  # the target's budget
+            higher = dataclasses.replace(cfg, min_path_prob=0.5)  # a request that stops higher: the chain cut
+            assert draft(emulated, context, higher) == draft(real, context, higher)  # where the real one stops
             lengths.add(len(want[0]))
         # a pre-draft of a whole chain's bonus guess (its first level given, a level deeper): as the real
         # one where the guess is the target's token, else an outcome that cannot happen, not recorded
@@ -74,8 +76,14 @@ def test_a_recorded_draft_takes_its_cost_and_yields_between_levels(tiny_target, 
     cut = emulated.propose_batch([DraftJob(seq, [], cfg, GREEDY)], stop=lambda: True)[0]
     took = (time.perf_counter() - start) * 1e3
     assert cut.tokens.tolist() == out[:1] and took < 10 + 5 * (len(PROMPT) - 1) + 2 * 40  # a request came
-    assert emulated.propose(emulated.start(PROMPT), [], DraftConfig(depth=4), GREEDY).tokens.tolist() == []
-    assert emulated.misses == 1  # another chain rule than the recording's: not recorded
+    # recorded whole, a chain is cut where a request's own threshold stops the real drafter
+    unsure = DraftConfig(depth=4, min_path_prob=0.6)
+    want, _ = draft(tiny_drafters["perfect"], PROMPT, unsure)
+    assert emulated.propose(emulated.start(PROMPT), [], unsure, GREEDY).tokens.tolist() == want
+    assert emulated.misses == 0
+    recorded_higher = dataclasses.replace(rec, min_path_prob=0.3)  # below its recorded threshold: not known
+    assert RecordedDrafter(emulated.model, recorded_higher).propose(
+        emulated.start(PROMPT), [], cfg, GREEDY).tokens.tolist() == []
 
 
 def test_a_draft_server_answering_from_a_recording_serves_the_real_drafters_steps(tiny_target, tiny_drafters, tmp_path):

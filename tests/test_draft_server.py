@@ -431,3 +431,34 @@ def test_welcome_and_pongs_count_the_targets_on_the_servers_host(make_server):
     second.close()
     assert wait_for(lambda: drafter.neighbours == 0)
     first.close()
+
+
+def test_each_request_says_where_its_chain_stops(make_server, tiny_drafters):
+    """A stream's depth policy chooses each step's chain threshold (spec/depth.py, DepthPolicy.stop):
+    the server drafts each request with the threshold it carries (-1: the session's own), and the
+    chains are the drafter's own at that threshold."""
+    from starsd.models.drafter import DraftJob
+
+    drafter = tiny_drafters["good"]
+    steps = [[5, 6, 7, 1, 2], [8], [9, 10]]
+    settings = DraftConfig(depth=8, min_path_prob=0.0, adaptive=False)
+
+    def local(stop: float) -> list[list[int]]:  # the drafter's own chains, in this thread, before the server runs
+        seq, chains = drafter.start([]), []
+        cfg = DraftConfig(depth=8, min_path_prob=max(stop, 0.0), adaptive=False)
+        for new in steps:
+            chains.append(drafter.propose_batch([DraftJob(seq, new, cfg, GREEDY)])[0].tokens.tolist())
+        return chains
+
+    stops = (-1.0, 0.0, 0.5, 0.9)
+    want = {stop: local(stop) for stop in stops}
+    assert len({tuple(map(len, w)) for w in want.values()}) > 1  # the thresholds cut these chains apart
+    server, address = make_server()
+    for stop in stops:
+        c = client(address)
+        got = []
+        for i, new in enumerate(steps):
+            c.send_draft(new, 50, *((settings, GREEDY) if i == 0 else (None, None)), stop=stop)
+            got.append(c.receive_draft()[1][0].tolist())
+        c.close()
+        assert got == want[stop], stop

@@ -77,6 +77,10 @@ def test_payload_rules_are_enforced():
     bad(request(torch.zeros(2, dtype=torch.int32), reset=True), "bad_request")  # reset without settings
     bad(request(torch.zeros(2, dtype=torch.int32), reset=True, draft=DRAFT), "bad_request")  # ... or half of them
     bad(request(torch.zeros(2, dtype=torch.int32), budget=0), "bad_request")
+    for stop in (1.0, -0.5, 2.0, float("nan"), float("inf")):  # a draft's own chain threshold: [0, 1), or -1
+        bad(request(torch.zeros(2, dtype=torch.int32), stop=stop), "bad_request")
+    for stop in (-1.0, 0.0, 0.62):
+        assert P.decode(request(torch.zeros(2, dtype=torch.int32), stop=stop))[0].stop == stop
     too_big = torch.zeros(P.MAX_TOKENS_PER_REQUEST + 1, dtype=torch.int32)
     bad(request(too_big), "bad_request")
     draft, sampling = dataclasses.asdict(DRAFT), dataclasses.asdict(SAMPLING)

@@ -190,12 +190,14 @@ class DraftConfig:
     sample_top_p: float = setting(0.995, "sampled chains: q keeps of those top k only the smallest set of likeliest "
                                   "tokens whose mass reaches this share of theirs (1: all k)")
     min_path_prob: float = setting(0.3, "stop deepening once the best frontier path's draft probability falls below "
-                                   "this (0: draft the full depth)")
+                                   "this (0: draft the full depth); with adaptive and auto_stop, only until the "
+                                   "stream has figures of its own")
+    auto_stop: bool = setting(True, "with adaptive: each step's chain stops where one more level no longer pays by the "
+                              "stream's measured costs (min_path_prob = (a level's wait + one more verified token) "
+                              "x the stream's tokens per ms; spec/depth.py, DepthPolicy.stop); off: at min_path_prob")
     # One more level pays while its tokens' chance of acceptance exceeds its cost (a drafted level and the wider
     # verify) times the stream's tokens per ms: about 0.45 co-located on transformers and 0.6-0.7 on llama.cpp on
-    # an AMX Xeon (bench depth-replay, docs/scheduler.md#replayed-over-recorded-drafts). 0.5 made co-located decoding
-    # 1.07x HF assisted against 1.02x, but `make demo` ran at 0.87-0.96x decoding alone in four runs (its draft server
-    # busy 5-33%, for about one drafted step); at 0.3 0.97-0.98x in three, 0.84x in one: cause not found, it stays 0.3
+    # an AMX Xeon (bench depth-replay, docs/scheduler.md#replayed-over-recorded-drafts): no one threshold fits both
     adaptive: bool = setting(True, "choose each step's depth (at most depth; 0: decode the step alone) from the "
                              "stream's measured acceptance, draft wait and verify times; off: always `depth` "
                              "(seeded sampled runs are reproducible only then: the choice follows timings)")

@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from starsd import config as C
-from starsd.models.drafter import DraftJob
+from starsd.models.drafter import DraftJob, chain_levels as levels
 from starsd.results import Steps, bar_panels, summary, write_json
 from starsd.spec.decode import measure_verify, target_only
 from starsd.spec.depth import Costs, DepthPolicy
@@ -47,7 +47,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="", help="replay this recorded trace (JSON) instead of recording one")
     p.add_argument("--trace-out", default="results/depth-trace.json", help="where a recorded trace is written")
     p.add_argument("--stops", default="0.3,0.4,0.5,0.6,0.7", help="chain stopping thresholds (min_path_prob) to replay, "
-                   "comma-separated")
+                   "comma-separated; the policy's own (auto_stop, the default) is replayed beside them")
     p.add_argument("--seeds", type=int, default=8, help="replays of each mode, each with its own cost draws")
     p.add_argument("--json-out", default="results/depth-replay.json", help="results as JSON here, the plot beside it")
     C.add_flags(p, C.PairConfig)
@@ -94,19 +94,13 @@ def record(pair, prompts, max_new_tokens: int, draft: C.DraftConfig, steps: Step
     return out
 
 
-def levels(path: list[float], min_path_prob: float) -> int:
-    """The levels a chain with these path log-probabilities drafts when it stops below min_path_prob
-    (the level that falls below it is the last; models/drafter.py, Expansion.wants_more)."""
-    floor = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
-    return next((k + 1 for k, score in enumerate(path) if score < floor), len(path))
-
-
 def replay(trace: dict, prompt: dict, depth: int | None, policy: DepthPolicy | None, rng: random.Random,
-           max_new_tokens: int, min_path_prob: float, noise: float = NOISE) -> tuple[int, float]:
+           max_new_tokens: int, min_path_prob: float | None, noise: float = NOISE) -> tuple[int, float]:
     """(tokens, ms) of one prompt's answer at a fixed `depth`, or under `policy` (fresh or carried
     over earlier prompts), as spec/decode.py drives it for a drafter in this process, its chains
-    stopping below `min_path_prob`; each cost drawn log-normally about its measured value (`noise`:
-    the draws' sd)."""
+    stopping below `min_path_prob` (None: where the policy says, DepthPolicy.stop, as with
+    DraftConfig.auto_stop); each cost drawn log-normally about its measured value (`noise`: the
+    draws' sd)."""
     verify = Costs(0.0)
     for width, ms in trace["verify_ms"].items():
         verify.add(width, ms)
@@ -124,7 +118,8 @@ def replay(trace: dict, prompt: dict, depth: int | None, policy: DepthPolicy | N
         limit = max_new_tokens - t - 1
         d = policy.choose(limit) if policy is not None else min(depth, limit)
         if d > 0:
-            drafted = min(d, levels(prompt["path"][t], min_path_prob))
+            stop = policy.stop() if min_path_prob is None else min_path_prob
+            drafted = min(d, levels(prompt["path"][t], stop))
             accepted = min(prompt["accepted"][t], drafted)
             draft_ms = cost(level_ms * drafted)
             verify_ms = cost(verify(drafted + 1))
@@ -142,7 +137,7 @@ def replay(trace: dict, prompt: dict, depth: int | None, policy: DepthPolicy | N
     return min(t, n), ms
 
 
-def tokens_per_s(trace: dict, seeds: int, max_new_tokens: int, min_path_prob: float, depth: int | None = None,
+def tokens_per_s(trace: dict, seeds: int, max_new_tokens: int, min_path_prob: float | None, depth: int | None = None,
                  carried: bool = False) -> float:
     """Tokens/s over every prompt and seed: at a fixed `depth`, else the default policy, a fresh one
     per prompt (`starsd generate`) or one `carried` over the prompts (a target process, a Pair)."""
@@ -158,14 +153,18 @@ def tokens_per_s(trace: dict, seeds: int, max_new_tokens: int, min_path_prob: fl
     return tokens / ms * 1e3
 
 
-def evaluate(trace: dict, seeds: int, max_new_tokens: int, min_path_prob: float) -> dict:
-    """Fixed depths, and the default fresh and carried, with chains stopping below `min_path_prob`."""
-    fixed = {d: tokens_per_s(trace, seeds, max_new_tokens, min_path_prob, depth=d)
+def evaluate(trace: dict, seeds: int, max_new_tokens: int, min_path_prob: float | None,
+             stops: tuple[float, ...] = ()) -> dict:
+    """Fixed depths, and the default fresh and carried, with chains stopping below `min_path_prob`;
+    None: the policy's threshold (auto_stop, the default) against each fixed depth at the best of
+    `stops` for it, chosen in hindsight."""
+    fixed = {d: max(tokens_per_s(trace, seeds, max_new_tokens, stop, depth=d)
+                    for stop in ([min_path_prob] if min_path_prob is not None else stops))
              for d in FIXED if d <= trace["draft_depth"]}
     best = max(fixed, key=fixed.get)
     modes = {"fresh": tokens_per_s(trace, seeds, max_new_tokens, min_path_prob),
              "carried": tokens_per_s(trace, seeds, max_new_tokens, min_path_prob, carried=True)}
-    return {"min_path_prob": min_path_prob, "target_only": 1e3 / trace["verify_ms"][1], "fixed": fixed,
+    return {"min_path_prob": "auto" if min_path_prob is None else min_path_prob, "target_only": 1e3 / trace["verify_ms"][1], "fixed": fixed,
             "best_fixed_depth": best, **modes, **{f"{k}_over_best_fixed": v / fixed[best] for k, v in modes.items()}}
 
 
@@ -193,7 +192,8 @@ def main(args) -> int:
         write_json(args.trace_out, trace)
     stops = [float(x) for x in args.stops.split(",")]
     tokens = trace.get("max_new_tokens", args.max_new_tokens)
-    points = [evaluate(trace, args.seeds, tokens, stop) for stop in stops]
+    points = [evaluate(trace, args.seeds, tokens, None, tuple(stops))]
+    points += [evaluate(trace, args.seeds, tokens, stop) for stop in stops]
     result = {"benchmark": "depth-replay", "trace": args.trace or args.trace_out, "seeds": args.seeds,
               "answers": len(trace["prompts"]), "level_ms": trace["level_ms"], "verify_ms": trace["verify_ms"],
               "points": points}

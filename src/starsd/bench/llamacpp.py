@@ -195,7 +195,8 @@ def _record(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, pat
 
     torch.set_num_threads(len(cores))
     drafter, _ = load_drafter(pair)
-    rec = record(drafter, paths, draft, f"{len(cores)} core(s), {cpu_kind()}")
+    # whole chains, each level's path probability kept: a stream's policy chooses where each of its chains stops
+    rec = record(drafter, paths, dataclasses.replace(draft, min_path_prob=0.0), f"{len(cores)} core(s), {cpu_kind()}")
     rec.save(out)
     conn.send(dataclasses.asdict(rec.cost))
 

@@ -39,7 +39,7 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.errors import SettingError
-from starsd.models.drafter import DraftJob, Drafter, DraftSequence
+from starsd.models.drafter import DraftJob, Drafter, DraftSequence, chain_levels
 from starsd.models.kv import KV
 from starsd.spec.tree import DraftTree
 
@@ -74,25 +74,38 @@ class Cost:
 class Recording:
     """Chains by context (the whole committed sequence), with the service time's fitted cost."""
 
-    chains: dict[str, tuple[list[int], list[int]]]  # context key -> (chain, each level's runner-up)
+    chains: dict[str, tuple]  # context key -> (chain, each level's runner-up, each level's path log-probability)
     cost: Cost
     depth: int  # the recorded chains' depth limit: requests may ask for this much at most
-    min_path_prob: float  # the chain rule's, recorded: a request with another gets no draft
+    min_path_prob: float  # the chain rule's, recorded: a request stopping lower gets no draft
     samples: list[tuple[int, int, float]]
 
-    def chain(self, context: list[int], depth: int, given: int = 0) -> tuple[list[int], list[int]] | None:
-        """The real drafter's chain below `context`, `depth` levels at most, and its runner-ups; with
-        `given` = 1 (a pre-draft of a whole chain's bonus guess) the first level is the draft's best
-        and the chain rule counts the levels below it. None where the recording has no such context."""
+    def chain(self, context: list[int], depth: int, given: int = 0,
+              stop: float | None = None) -> tuple[list[int], list[int]] | None:
+        """The real drafter's chain below `context`, `depth` levels at most, stopping below `stop` (the
+        request's min_path_prob; None: the recorded one), and its runner-ups; with `given` = 1 (a
+        pre-draft of a whole chain's bonus guess) the first level is the draft's best and the chain
+        rule counts the levels below it. None where the recording has no such context, or cannot
+        tell where the chain stops: below the recorded threshold, or at another one where it kept no
+        path probabilities (recordings before they were kept)."""
         got = self.chains.get(_key(context))
         if got is None or not got[0]:
             return None
         if not given:
-            return got[0][:depth], got[1][:depth]
+            return self._cut(got, depth, stop)
         below = self.chains.get(_key(context + got[0][:1]))
-        if below is None:
+        cut = None if below is None else self._cut(below, depth - 1, stop)
+        if cut is None:
             return None
-        return got[0][:1] + below[0][:depth - 1], got[1][:1] + below[1][:depth - 1]
+        return got[0][:1] + cut[0], got[1][:1] + cut[1]
+
+    def _cut(self, got: tuple, depth: int, stop: float | None) -> tuple[list[int], list[int]] | None:
+        if stop is None or stop == self.min_path_prob:
+            return got[0][:depth], got[1][:depth]
+        if stop < self.min_path_prob or len(got) < 3:
+            return None
+        n = min(depth, chain_levels(got[2], stop))
+        return got[0][:n], got[1][:n]
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -105,15 +118,16 @@ class Recording:
             d = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise SettingError(f"cannot read the recording {path}: {e}") from None
-        return cls({k: (v[0], v[1]) for k, v in d["chains"].items()}, Cost(**d["cost"]), d["depth"],
+        return cls({k: tuple(v) for k, v in d["chains"].items()}, Cost(**d["cost"]), d["depth"],
                    d["min_path_prob"], [tuple(s) for s in d["samples"]])
 
 
 def record(drafter: Drafter, paths: list[tuple[list[int], list[int]]], cfg: DraftConfig, source: str) -> Recording:
     """Draft with the real drafter below every prefix of each (prompt, target-only output): the prompt
     first (a new stream's first request), then one output token at a time, as a server's session
-    would be asked; time each draft."""
-    chains: dict[str, tuple[list[int], list[int]]] = {}
+    would be asked; time each draft. Each chain keeps its levels' path probabilities, so that a
+    request that stops higher than `cfg` gets the chain the real drafter would have stopped."""
+    chains: dict[str, tuple] = {}
     samples = []
     for prompt, output in paths:
         seq = drafter.start(prompt)
@@ -125,7 +139,7 @@ def record(drafter: Drafter, paths: list[tuple[list[int], list[int]]], cfg: Draf
             tree = drafter.propose_batch([job])[0]
             ms = (time.perf_counter() - start) * 1e3
             chain = tree.tokens.tolist()
-            chains[_key(prompt + output[:i])] = (chain, job.second[:len(chain)])
+            chains[_key(prompt + output[:i])] = (chain, job.second[:len(chain)], job.path[:len(chain)])
             if i != 1:  # the first step after a prompt pays for the model's first touch of a new length
                 samples.append((ingested, len(chain), ms))
     return Recording(chains, Cost.fit(samples, source), cfg.depth, cfg.min_path_prob, samples)
@@ -159,9 +173,8 @@ class RecordedDrafter(Drafter):
             depth = max(1, min(job.cfg.depth, job.max_depth))
             got = None
             rec = self.recording
-            if (not job.cfg.sample and job.cfg.top_k == 1 and job.cfg.min_path_prob == rec.min_path_prob
-                    and depth <= rec.depth + job.given):
-                got = rec.chain(seq.tokens, depth, job.given)
+            if not job.cfg.sample and job.cfg.top_k == 1 and depth <= rec.depth + job.given:
+                got = rec.chain(seq.tokens, depth, job.given, job.cfg.min_path_prob)
             self.drafts += 1
             if got is None:
                 self.misses += 1

@@ -80,6 +80,17 @@ class DraftJob:
     # path log-probability (where min_path_prob would stop it; bench/depth_replay.py records it)
 
 
+def chain_levels(path: list[float], min_path_prob: float) -> int:
+    """The levels a chain with these path log-probabilities (one a level) drafts when it stops below
+    min_path_prob: the level that falls below it is the last (Expansion.wants_more).
+
+    >>> chain_levels([-0.1, -0.5, -1.5, -3.0], 0.3), chain_levels([-0.1, -0.5], 0.0)
+    (3, 2)
+    """
+    floor = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
+    return next((k + 1 for k, score in enumerate(path) if score < floor), len(path))
+
+
 @dataclass(frozen=True)
 class Pass:
     """The shape of one forward pass of a draft, to measure it against the bare model."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -151,6 +151,9 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     def pick(budget: int) -> int:  # at most budget tokens come out: budget-1 drafted + 1
         return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
 
+    def shaped() -> DraftConfig:  # this step's draft: with auto_stop, its chain stops where the policy's costs say
+        return replace(draft_cfg, min_path_prob=policy.stop()) if policy and draft_cfg.auto_stop else draft_cfg
+
     taps = drafter.taps
     width = getattr(target, "width", None)
     ask_ahead = policy is not None and drafter.asynchronous
@@ -164,7 +167,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
     first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)
              if ask_ahead and max_new_tokens > 0 else depth)
-    dseq = drafter.start(prompt_ids, draft_cfg, sampling, first)
+    dseq = drafter.start(prompt_ids, shaped(), sampling, first)
     if policy is not None:
         policy.holds = first > 0
     t_prefill = time.perf_counter()
@@ -200,7 +203,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
             first = ask_ahead and not produced and dseq.pending
             deadline_ms = (policy.deadline_ms(depth) if depth and not first else 0) if policy else None
             t_draft = time.perf_counter()
-            tree = drafter.propose(dseq, new_tokens, draft_cfg, sampling, draft_gen, max_depth=depth or ahead,
+            tree = drafter.propose(dseq, new_tokens, shaped(), sampling, draft_gen, max_depth=depth or ahead,
                                    deadline_ms=deadline_ms,
                                    features=torch.cat(new_features) if new_features else None)
             draft_ms = waited_ms = (time.perf_counter() - t_draft) * 1e3

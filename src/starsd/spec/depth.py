@@ -76,6 +76,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+MAX_STOP = 0.95  # the highest chain stopping threshold stop() gives: a chain always drafts its first level
+
 
 def median(values) -> float:
     ordered = sorted(values)
@@ -297,6 +299,24 @@ class DepthPolicy:
         star of two llama.cpp targets drafted one token a step for one of them, which looked worth 1.16x
         to it, and both ran at 0.65-0.78x decoding alone."""
         return self.neighbours * self.share_ms(levels) if self.cohosted else 0.0
+
+    def stop(self) -> float:
+        """The path probability below which this step's chain stops deepening (the drafter's
+        min_path_prob; a chain drafts the level whose path probability falls below it, then stops):
+        one more level pays while the chance that all its tokens are accepted, which the draft's
+        path probability stands for, beats what the level costs, a drafted level's wait (and a
+        co-hosted server's compute on it, charged to its neighbours too) and one more token in the
+        verify pass, in tokens at the stream's best rate. So a chain runs deep where levels are cheap
+        against a target pass (a GPU, or a transformers target on a CPU, whose verify pass costs
+        about the same for 1 to 11 tokens) and stops early where each costs nearly a target token
+        (llama.cpp on a CPU). Replayed over recorded drafts, a stream's threshold chosen so matched the
+        best fixed one: 0.6-0.7 on a llama.cpp target, about 0.45 co-located on transformers, where a
+        fixed 0.3 was 3-4% slower (docs/scheduler.md#replayed-over-recorded-drafts)."""
+        levels = max(1.0, self.expect(self.chosen or 1)[0])  # what the last of them cost: measured widths
+        more = (self.draft_ms(levels) - self.draft_ms(levels - 1) + self.verify_ms(levels + 1)
+                - self.verify_ms(levels) + self.taken(levels) - self.taken(levels - 1))
+        best = max(self.rate(d) for d in range(self.max_depth + 1))
+        return min(MAX_STOP, max(0.0, more * best))
 
     def here(self, d: int) -> float:
         """Expected tokens per millisecond of verifying a draft d deep that is already here (no wait)."""

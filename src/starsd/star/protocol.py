@@ -41,9 +41,10 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 5  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+PROTOCOL_VERSION = 6  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
 # travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
-# level_ms; 5: and its sessions of targets on its own host (`local`)
+# level_ms; 5: and its sessions of targets on its own host (`local`); 6: a draft request may say where its chain
+# stops (`stop`: the stream's depth policy chooses it per step)
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -131,6 +132,7 @@ class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
     sampling: SamplingConfig | None  # the target's sampling law, required with reset (ditto)
     budget: int  # tokens the target may still emit: no point drafting deeper than budget - 1
     tensors: TensorSpecs  # tokens int32 [m]; for an EAGLE head, features [m, F] (bf16, or uint8 and scales [m, 2])
+    stop: float = -1.0  # this draft's min_path_prob, in [0, 1) (-1: the session's own, as its settings say)
 
 
 class DraftReply(msgspec.Struct, array_like=True, frozen=True):
@@ -276,13 +278,14 @@ def specs(*tensors: torch.Tensor) -> tuple[TensorSpec, ...]:
 
 
 def draft_request(tag: int, step: int, tokens: torch.Tensor, budget: int, draft: DraftConfig | None = None,
-                  sampling: SamplingConfig | None = None,
-                  extra: tuple[torch.Tensor, ...] = ()) -> tuple[DraftRequest, tuple[torch.Tensor, ...]]:
+                  sampling: SamplingConfig | None = None, extra: tuple[torch.Tensor, ...] = (),
+                  stop: float = -1.0) -> tuple[DraftRequest, tuple[torch.Tensor, ...]]:
     """A DraftRequest and its tensors (tokens int32 [m], then `extra`: an EAGLE head's features),
-    for `encode`: a reset (a new stream, `tokens` its whole sequence) when it carries settings. The
-    one builder of the client, the soak and the fuzzer."""
+    for `encode`: a reset (a new stream, `tokens` its whole sequence) when it carries settings;
+    `stop`: where its chain stops (-1: the session's min_path_prob). The one builder of the client,
+    the soak and the fuzzer."""
     tensors = (tokens, *extra)
-    return DraftRequest(tag, step, draft is not None, draft, sampling, budget, specs(*tensors)), tensors
+    return DraftRequest(tag, step, draft is not None, draft, sampling, budget, specs(*tensors), stop), tensors
 
 
 def _buffer(t: torch.Tensor):
@@ -431,6 +434,8 @@ def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
             raise ProtocolError("bad_request", "a reset request must carry draft and sampling settings")
         if msg.budget < 1:
             raise ProtocolError("bad_request", f"budget must be >= 1, not {msg.budget}")
+        if msg.stop != -1.0 and not (math.isfinite(msg.stop) and 0 <= msg.stop < 1):
+            raise ProtocolError("bad_request", f"stop must be in [0, 1), or -1 for the session's, not {msg.stop}")
     elif isinstance(msg, Generate):
         if (msg.prompt is None) == (msg.messages is None):
             raise ProtocolError("bad_request", "a generate request carries a prompt or messages, not both")

@@ -200,7 +200,7 @@ class RemoteDrafter:
         its draft waiting (the draft's prefill no longer adds to the time to the first token)."""
         seq = RemoteSequence(list(prompt_ids), taps=self.taps)
         if cfg is not None and max_depth > 0 and self._session(seq, wait=False) and seq.taps is None:
-            self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling)
+            self.client.send_draft(seq.tokens, max_depth + 1, cfg, sampling, stop=cfg.min_path_prob)
             seq.pending = len(seq.tokens)
             seq.pending_since = time.monotonic()
         return seq
@@ -406,10 +406,10 @@ class RemoteDrafter:
                 seq.behind = len(seq.tokens) - seq.sent
                 return reply, tree
         features = () if seq.taps is None else seq.feature_rows(seq.sent, cfg.feature_bits)
-        if seq.sent == 0:
-            self.client.send_draft(seq.tokens, budget, cfg, sampling, features)
+        if seq.sent == 0:  # the step's cfg says where its chain stops (the policy's choice, spec/decode.py)
+            self.client.send_draft(seq.tokens, budget, cfg, sampling, features, cfg.min_path_prob)
         else:
-            self.client.send_draft(seq.tokens[seq.sent:], budget, features=features)
+            self.client.send_draft(seq.tokens[seq.sent:], budget, features=features, stop=cfg.min_path_prob)
         seq.pending = len(seq.tokens)
         seq.pending_since = time.monotonic()
         reply, tensors = self._settle(seq, until)

@@ -19,6 +19,7 @@ Its parts (DESIGN.md, principles 1-3):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -295,8 +296,9 @@ class DraftServer:
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()
         ingest = [_to_ingest(s, r) for s, r in items]
-        jobs = [DraftJob(s.seq, [] if r.msg.reset else s.carry + r.tensors[0].tolist(), s.draft, s.sampling,
-                         s.generator, max_depth=r.msg.budget - 1, features=self._features(r)) for s, r in items]
+        jobs = [DraftJob(s.seq, [] if r.msg.reset else s.carry + r.tensors[0].tolist(), _shape(s.draft, r.msg.stop),
+                         s.sampling, s.generator, max_depth=r.msg.budget - 1, features=self._features(r))
+                for s, r in items]
         states = [None if s.generator is None else s.generator.get_state() for s, _ in items]
         try:
             trees = self.drafter.propose_batch(jobs)
@@ -309,6 +311,7 @@ class DraftServer:
         for (s, r), job, tree, tokens in zip(items, jobs, trees, ingest):
             self.stats.drafted("reset" if r.msg.reset else "step", tokens)
             s.carry = []
+            s.draft = job.cfg  # where its chain stops, as the last request said: pre-drafts follow it
             s.last_chain = tree.tokens.tolist() if s.draft.is_chain and tree.q is None else []
             s.last_second = job.second[:len(s.last_chain)]
             s.budget = r.msg.budget
@@ -343,3 +346,10 @@ def _to_ingest(s: Session, req: Request) -> int:
     (a reset's whole sequence), the tokens carried from refused steps and the request's own."""
     carried = 0 if req.msg.reset else len(s.carry) + req.tensors[0].shape[0]
     return len(s.seq.tokens) - s.seq.cached + carried
+
+
+def _shape(draft: DraftConfig, stop: float) -> DraftConfig:
+    """A session's draft settings with this request's chain stopping threshold (-1: the session's own)."""
+    if stop < 0 or stop == draft.min_path_prob:
+        return draft
+    return dataclasses.replace(draft, min_path_prob=stop)
