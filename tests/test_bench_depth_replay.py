@@ -55,8 +55,8 @@ def test_the_default_over_recorded_answers_against_the_best_fixed_depth():
     AMX Xeon: `starsd bench depth-replay --prompts humaneval --limit 16 --trace-out ...`), replayed
     with the default chain stopping rule (the policy's own threshold, auto_stop) against each fixed
     depth at the best of several fixed thresholds, chosen in hindsight. A policy carried over the
-    answers, as a target process or a Pair keeps one, made 0.964x the tokens/s of the best, a fresh
-    one per answer (`starsd generate`) 0.935x, both 1.3x decoding alone; with chains stopping at a
+    answers, as a target process or a Pair keeps one, made 0.963x the tokens/s of the best, a fresh
+    one per answer (`starsd generate`) 0.937x, both 1.3x decoding alone; with chains stopping at a
     fixed 0.3, the default before, 0.95x and 0.95x of a weaker best (fixed depths at 0.3 only): held
     here to a little under what they make, so that a change that loses speed fails."""
     trace = depth_replay.load(TRACE)
@@ -70,7 +70,7 @@ def test_the_default_over_recorded_answers_against_the_best_fixed_depth():
 def test_chains_stopping_where_the_costs_say_beat_the_fixed_threshold_of_before():
     """On llama.cpp a level costs nearly a target token (38.5 ms against 117 for one token, 151 for
     two), so a chain pays only while its path is likelier than about 0.6-0.7, where 0.3 drafted
-    levels that did not pay back: the policy's own threshold made 11.55 tokens/s against 11.00."""
+    levels that did not pay back: the policy's own threshold (0.77, its median) made 11.54 tokens/s against 11.00."""
     trace = depth_replay.load(TRACE)
     auto = depth_replay.evaluate(trace, 4, trace["max_new_tokens"], None, (0.3,))
     fixed = depth_replay.evaluate(trace, 4, trace["max_new_tokens"], 0.3)

@@ -151,6 +151,14 @@ class Costs:
             return values[lo]
         return values[lo] + (values[hi] - values[lo]) * (x - lo) / (hi - lo)
 
+    def slope(self) -> float:
+        """What one more unit of size costs: the slope of line() through the measured sizes (robust: the
+        median of their pairwise slopes, so a noisy pair of neighbours does not make it negative or
+        steep), or the prior's before any (a line through the origin: the prior; flat: none)."""
+        if not self.values():
+            return self.prior if self.extend == "line" and self.proportional else 0.0
+        return self.line()[1]
+
     def line(self) -> tuple[float, float]:
         """(a, b) of y = a + b x through the sizes' medians."""
         values = self.values()
@@ -304,17 +312,19 @@ class DepthPolicy:
         """The path probability below which this step's chain stops deepening (the drafter's
         min_path_prob; a chain drafts the level whose path probability falls below it, then stops):
         one more level pays while the chance that all its tokens are accepted, which the draft's
-        path probability stands for, beats what the level costs, a drafted level's wait (and a
-        co-hosted server's compute on it, charged to its neighbours too) and one more token in the
-        verify pass, in tokens at the stream's best rate. So a chain runs deep where levels are cheap
-        against a target pass (a GPU, or a transformers target on a CPU, whose verify pass costs
-        about the same for 1 to 11 tokens) and stops early where each costs nearly a target token
-        (llama.cpp on a CPU). Replayed over recorded drafts, a stream's threshold chosen so matched the
-        best fixed one: 0.6-0.7 on a llama.cpp target, about 0.45 co-located on transformers, where a
-        fixed 0.3 was 3-4% slower (docs/scheduler.md#replayed-over-recorded-drafts)."""
-        levels = max(1.0, self.expect(self.chosen or 1)[0])  # what the last of them cost: measured widths
-        more = (self.draft_ms(levels) - self.draft_ms(levels - 1) + self.verify_ms(levels + 1)
-                - self.verify_ms(levels) + self.taken(levels) - self.taken(levels - 1))
+        path probability stands for, beats what the level costs in tokens at the stream's best rate:
+        a drafted level's wait (and a co-hosted server's compute on it, charged to its neighbours
+        too) and one more token in the verify pass, each the slope of its costs' line (robust: the
+        verify table's neighbours differ by noise, and their local slope swung the threshold from
+        0.14 to 0.51 on a transformers target). So a chain runs deep where levels are cheap against
+        a target pass (a GPU, or a transformers target on a CPU, whose pass costs about the same for
+        1 to 11 tokens) and stops early where each costs a good part of a target token (llama.cpp on
+        a CPU). Replayed over recorded drafts (bench depth-replay, 16 and 8 HumanEval answers, a policy
+        carried over them): on a llama.cpp target (AMX Xeon) it chose 0.77 (median) and made 11.54
+        tokens/s against 11.00 with a fixed 0.3; on a transformers target (AMD EPYC) 0.45, where
+        the best fixed threshold is, 17.25 against 17.18 (0.3) and 17.40 (0.45)."""
+        more = self.draft_ms.slope() + self.verify_ms.slope() + (
+            self.neighbours * self.share_ms.slope() if self.cohosted else 0.0)
         best = max(self.rate(d) for d in range(self.max_depth + 1))
         return min(MAX_STOP, max(0.0, more * best))
 
