@@ -29,6 +29,10 @@ def test_bench_depth_compares_the_default_with_each_fixed_depth_in_both_placemen
         assert p["best_fixed"] in ("fixed-2", "fixed-4")
         assert p["default_vs_best_fixed"] == pytest.approx(rates["default"] / rates[p["best_fixed"]])
         assert p["default_vs_target_only"] == pytest.approx(rates["default"] / rates["target_only"])
+        answers = p["whole_answers"]["tokens_per_s"]  # prefill and first step included
+        assert set(answers) == set(rates) and min(answers.values()) > 0
+        assert p["whole_answers"]["default_vs_best_fixed"] == pytest.approx(
+            answers["default"] / answers[p["whole_answers"]["best_fixed"]])
     assert (tmp_path / "depth.png").stat().st_size > 0
 
 

@@ -9,9 +9,12 @@ policy, as `starsd generate` does; through the server one policy serves all the 
 temperature, as a target process keeps one for its life (its verify costs measured first, then one
 warm-up prompt, not measured).
 The figure of merit is the default's tokens/s over the best fixed depth's, the best chosen in
-hindsight per placement and temperature, and over target-only. Tokens/s here are the decoding's,
-after each prompt's first step (its prefill and first token cost every mode alike and would only
-dilute the difference the depth makes).
+hindsight per placement and temperature, and over target-only, two ways: the decoding's tokens/s
+after each prompt's first step (its prefill costs every mode alike and would only dilute the
+difference the depth makes), and the whole answer's, prefill and first step included, as a person
+waits for it. They part where the first step differs: through a server, a fixed depth waits for
+its first draft, which ingested the prompt, where the default decodes the first step alone unless
+the draft came with the prefill (spec/decode.py), and takes it late.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def main(args) -> int:
         runs = [(p, m) for p in placements for m in modes(depths)]
         tokens: dict[tuple, int] = {}
         seconds: dict[tuple, float] = {}
+        whole: dict[tuple, tuple[int, float]] = {}  # the whole answers' tokens and seconds
         with Steps("bench depth", len(temperatures) * len(prompts) * (1 + len(runs))) as steps:
             for temperature in temperatures:
                 sampling = C.SamplingConfig(temperature=temperature, seed=1)
@@ -105,6 +109,8 @@ def main(args) -> int:
                         key = (temperature, placement, mode)
                         tokens[key] = tokens.get(key, 0) + len(gen.token_ids) - gen.trace[0][1]
                         seconds[key] = seconds.get(key, 0.0) + gen.trace[-1][0] - gen.trace[0][0]
+                        n, t = whole.get(key, (0, 0.0))
+                        whole[key] = (n + len(gen.token_ids), t + gen.seconds)
                         steps.end(f"t={temperature} {placement} {mode}, prompt {i + 1}: {len(gen.token_ids)} tokens, "
                                   f"{gen.tokens_per_s:.2f} tok/s, {gen.num_steps} steps")
         if remote:
@@ -115,12 +121,13 @@ def main(args) -> int:
     points = []
     for temperature in temperatures:
         for placement in placements:
-            rate = {m: tokens[(temperature, placement, m)] / seconds[(temperature, placement, m)]
-                    for m in modes(depths)}
-            rate["target_only"] = (tokens[(temperature, "target_only", "target_only")]
-                                   / seconds[(temperature, "target_only", "target_only")])
+            keys = {m: (temperature, placement, m) for m in modes(depths)}
+            keys["target_only"] = (temperature, "target_only", "target_only")
+            rate = {m: tokens[k] / seconds[k] for m, k in keys.items()}
+            answers = {m: whole[k][0] / whole[k][1] for m, k in keys.items()}
             points.append({"temperature": temperature, "placement": placement, "tokens_per_s": rate,
-                           **ratios(rate, depths)})
+                           **ratios(rate, depths), "whole_answers": {"tokens_per_s": answers,
+                                                                     **ratios(answers, depths)}})
     result = {"benchmark": "depth", "target": args.target, "draft": args.draft, "dtype": cfg.target_model().dtype,
               "threads": args.threads, "prompts": args.prompts, "num_prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "server": dataclasses.asdict(C.ServerConfig()),
@@ -134,10 +141,11 @@ def main(args) -> int:
     summary(f"bench depth: the default policy vs fixed depths, {len(prompts)} {args.prompts} prompts, "
             f"{cfg.target_model().dtype}, threads={args.threads}; decoding tokens/s after the first step",
             ["placement", "temperature", "target-only", "default", "best fixed", "default / best fixed",
-             "default / target-only"],
+             "default / target-only", "whole answers: default / best fixed"],
             [[p["placement"], p["temperature"], f"{p['tokens_per_s']['target_only']:.2f}",
               f"{p['tokens_per_s']['default']:.2f}",
               f"{p['best_fixed']} {p['tokens_per_s'][p['best_fixed']]:.2f}",
-              f"{p['default_vs_best_fixed']:.2f}x", f"{p['default_vs_target_only']:.2f}x"] for p in points],
+              f"{p['default_vs_best_fixed']:.2f}x", f"{p['default_vs_target_only']:.2f}x",
+              f"{p['whole_answers']['default_vs_best_fixed']:.2f}x"] for p in points],
             files={"JSON": args.json_out, "plot": png})
     return 0
