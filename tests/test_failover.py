@@ -379,9 +379,10 @@ def test_a_target_that_will_not_wait_for_a_slow_server_still_uses_its_drafts(dir
         drafter = RemoteDrafter(rig.client)
         prompt = [5, 17, 33, 2]
         # 60 tokens: room for several drafts asked ahead, on a loaded machine too (at 40, a run whose
-        # round trips took 400-760 ms took only one of them late)
-        gen = speculative(Slowed(rig.target, 100), drafter, prompt, 60, DraftConfig(depth=10, min_path_prob=0.0),
-                          GREEDY, policy=DepthPolicy(10))
+        # round trips took 400-760 ms took only one of them late). Whole chains: where the policy stops them,
+        # at a verified token's 50 ms here, they are too short to reach past the tokens committed meanwhile
+        cfg = DraftConfig(depth=10, min_path_prob=0.0, auto_stop=False)
+        gen = speculative(Slowed(rig.target, 100), drafter, prompt, 60, cfg, GREEDY, policy=DepthPolicy(10))
         assert gen.token_ids == target_only(rig.target, prompt, 60, GREEDY).token_ids
     finally:
         rig.close()
@@ -400,7 +401,8 @@ def test_a_first_draft_not_there_when_the_prefill_ends_is_not_waited_for(dirs):
         prompt = [5, 17, 33, 2]
         t0 = time.time()
         steps = speculative_steps(Slowed(rig.target, 100), drafter, prompt, 16,
-                                  DraftConfig(depth=10, min_path_prob=0.0), GREEDY, policy=DepthPolicy(10))
+                                  DraftConfig(depth=10, min_path_prob=0.0, auto_stop=False), GREEDY,
+                                  policy=DepthPolicy(10))
         first = next(steps)
         first_s = first.end - t0
         rest = list(steps)
