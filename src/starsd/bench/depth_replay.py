@@ -164,8 +164,9 @@ def evaluate(trace: dict, seeds: int, max_new_tokens: int, min_path_prob: float 
     best = max(fixed, key=fixed.get)
     modes = {"fresh": tokens_per_s(trace, seeds, max_new_tokens, min_path_prob),
              "carried": tokens_per_s(trace, seeds, max_new_tokens, min_path_prob, carried=True)}
-    return {"min_path_prob": "auto" if min_path_prob is None else min_path_prob, "target_only": 1e3 / trace["verify_ms"][1], "fixed": fixed,
-            "best_fixed_depth": best, **modes, **{f"{k}_over_best_fixed": v / fixed[best] for k, v in modes.items()}}
+    return {"min_path_prob": "auto" if min_path_prob is None else min_path_prob,
+            "target_only": 1e3 / trace["verify_ms"][1], "fixed": fixed, "best_fixed_depth": best, **modes,
+            **{f"{k}_over_best_fixed": v / fixed[best] for k, v in modes.items()}}
 
 
 def load(path: str | Path) -> dict:
