@@ -111,6 +111,7 @@ def replay(trace: dict, prompt: dict, depth: int | None, policy: DepthPolicy | N
     level_ms, n = trace["level_ms"], prompt["tokens"]
     if policy is not None:
         policy.inline = True
+        policy.stops = min_path_prob is None
         policy.server_prior(level_ms)
         policy.prefill(cost(prompt["prefill_ms"]))
     t, ms, ingest = 0, 0.0, prompt["ingest_ms"]  # the prompt, ingested by the stream's first draft

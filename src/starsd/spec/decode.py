@@ -162,6 +162,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         policy.cohosted = drafter.cohosted
         policy.neighbours = drafter.neighbours
         policy.inline = inline
+        policy.stops = draft_cfg.auto_stop
         policy.server_prior(drafter.level_ms)
     depth = pick(max_new_tokens) if max_new_tokens > 0 and not inline else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
@@ -178,6 +179,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         depth = pick(max_new_tokens)  # the first depth is chosen knowing the prefill's cost (a fresh policy
         # takes it for a pass's until it measures one: asked before, with a pass at its 100 ms prior, a
         # co-located stream opened 2 deep where its drafts ran 8 deep on average)
+    ingests = True  # the stream's next draft is its first: the drafter ingests the prompt with it
     new_tokens: list[int] = []  # committed, not yet given to the drafter
     new_features = [] if taps is None or seq.features is None else [seq.features]  # theirs, for a feature-level drafter
     produced = 0
@@ -220,7 +222,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
             else:
                 tree = tree.truncate(depth)
                 asked = depth
-                if not produced:  # the prompt's first draft also ingested the prompt: not what a draft costs,
+                if ingests:  # the prompt's first draft also ingested the prompt: not what a draft costs,
                     draft_ms = None  # but its levels tell what one costs a level, until the stream measures it
                     if policy:  # (a fresh policy co-located took drafts as free, and its next draft went 10 deep)
                         policy.server_prior(drafter.level_ms)
@@ -228,6 +230,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                 policy.missed(depth, waited_ms)
             if not within(tree, width):  # a draft server's bug (or worse) must not reach the target's model
                 tree = DraftTree.empty()
+            ingests = False
         else:
             tree = DraftTree.empty()
             share = None

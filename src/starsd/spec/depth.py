@@ -154,9 +154,15 @@ class Costs:
     def slope(self) -> float:
         """What one more unit of size costs: the slope of line() through the measured sizes (robust: the
         median of their pairwise slopes, so a noisy pair of neighbours does not make it negative or
-        steep), or the prior's before any (a line through the origin: the prior; flat: none)."""
-        if not self.values():
+        steep), or the prior's before any (a line through the origin: the prior; flat: none); flat with
+        one size measured, none (a one-token pass measured first, taken through the origin, made a
+        transformers target's next chain stop at its first level: its pass costs about the same for 1
+        to 11 tokens)."""
+        values = self.values()
+        if not values:
             return self.prior if self.extend == "line" and self.proportional else 0.0
+        if len(values) == 1 and self.extend == "flat":  # as __call__ takes the sizes beside it: at its cost
+            return 0.0
         return self.line()[1]
 
     def line(self) -> tuple[float, float]:
@@ -261,6 +267,8 @@ class DepthPolicy:
     holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec/decode.py sets it)
     moves: int = 0  # the drafter's moves to another server, as of the last new_server (spec/decode.py)
     share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
+    stops: bool = False  # each step's chain stops where stop() says (DraftConfig.auto_stop): a draft is
+    # asked as deep as the step allows, and its chain runs as deep as it pays (spec/decode.py sets it)
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -415,15 +423,21 @@ class DepthPolicy:
             self.chosen = 0
             return 0
         best = max(range(limit + 1), key=self.rate)
-        if best > 0:  # how deep: by one draw of each position's acceptance
+        if best > 0 and self.stops:  # how deep: as deep as the chain's own stop lets it run
+            best = limit
+        elif best > 0:  # how deep: by one draw of each position's acceptance
             rates = self.acceptance.rates(self.rng)
             best = max(range(1, limit + 1), key=lambda d: self.rate(d, rates))
         self.steps += 1
         self.since += 1
-        if best > 0 and self.steps == 2 and not self.verify_ms.measured(1):
+        if best > 0 and (self.steps == 2 or self.inline) and not self.verify_ms.measured(1):
             best = 0  # a stream's second step decodes alone unless one already has: a one-token pass is
             # what every draft is weighed against, and no wider pass tells its cost (on a CPU a pass of
-            # 11 tokens costs several of one, and taken as its cost it made a dear draft look worth it)
+            # 11 tokens costs several of one, and taken as its cost it made a dear draft look worth it).
+            # A drafter in this process has no prefill to draft beside: its stream's first step does
+            # (a llama.cpp target here took the prefill's 660 ms for a pass's, drafted 10 levels at its
+            # first step, about 480 ms with the prompt's ingest against 32 for a token, and 0.93x
+            # decoding alone over 8 HumanEval answers in replay)
         if best > 0:
             self.idle_looks = 0
         interval = self.explore << min(self.idle_looks, 4)
@@ -435,11 +449,12 @@ class DepthPolicy:
                 look = max(range(1, limit + 1), key=self.rate)
                 if self.could_pay(look) and (self.holds or not self.cohosted):
                     self.idle_looks += 1
-                    best = look
+                    best = limit if self.stops else look  # a chain that stops itself is asked as drafting would
             elif self.verify_ms.measured(1) < 3 or self.verify_ms.stale(1):  # decoding alone, to compare
                 best = 0  # with: measured little yet, or long ago (one-token passes slowed by a draft computed
                 # beside them, then never measured again while drafting, could keep a stream drafting at a loss)
-            else:  # the costs of the widths beside: a pass slowed once must not rule a width out for good
+            elif not self.stops:  # the costs of the widths beside: a pass slowed once must not rule a width
+                # out for good (a chain that stops itself varies its width step by step)
                 best = [best - 1, min(limit, best + 1)][self.looks % 2]
                 self.looks += 1
         self.chosen = best
