@@ -1,6 +1,7 @@
 """End to end on tiny random models: speculative decoding is lossless and handles the edges."""
 
 import collections
+import time
 
 import pytest
 import torch
@@ -54,6 +55,15 @@ def test_budget_ends_inside_a_draft(tiny_target, tiny_drafters, max_new):
     for draft in (DraftConfig(depth=4, **FULL), DraftConfig(depth=8, **FULL), DraftConfig(depth=4, top_k=3, **FULL)):
         got = speculative(tiny_target, tiny_drafters["perfect"], [9, 8], max_new, draft, GREEDY)
         assert got.token_ids == ref.token_ids and len(got.token_ids) == max_new
+
+
+def test_a_generation_tells_when_its_prefill_ended(tiny_target, tiny_drafters):
+    """Benchmarks time the decoding from there: the first step differs between modes (the default
+    decodes it alone co-located, a fixed depth drafts and ingests the prompt)."""
+    t0 = time.time()
+    for gen in (target_only(tiny_target, list(range(20, 60)), 8, GREEDY),
+                speculative(tiny_target, tiny_drafters["good"], list(range(20, 60)), 8, DraftConfig(depth=4), GREEDY)):
+        assert t0 < gen.prefilled < gen.trace[0][0] <= gen.trace[-1][0] <= time.time()
 
 
 def test_zero_budget(tiny_target, tiny_drafters):

@@ -10,11 +10,11 @@ temperature, as a target process keeps one for its life (its verify costs measur
 warm-up prompt, not measured).
 The figure of merit is the default's tokens/s over the best fixed depth's, the best chosen in
 hindsight per placement and temperature, and over target-only, two ways: the decoding's tokens/s
-after each prompt's first step (its prefill costs every mode alike and would only dilute the
-difference the depth makes), and the whole answer's, prefill and first step included, as a person
-waits for it. They part where the first step differs: through a server, a fixed depth waits for
-its first draft, which ingested the prompt, where the default decodes the first step alone unless
-the draft came with the prefill (spec/decode.py), and takes it late.
+after each prompt's prefill (the prefill costs every mode alike and would only dilute the
+difference the depth makes), and the whole answer's, prefill included, as a person waits for it.
+(Before, the first was counted after each prompt's first step: but the default's first step
+differs, decoding alone where a fixed depth's drafts and ingests the prompt, and the default's
+first draft then carried the prompt's ingest into the figure where a fixed depth's did not.)
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def main(args) -> int:
                             gen = speculative(pair.target, drafter, ids, args.max_new_tokens, draft_config(mode),
                                               sampling, pair.eos_ids, policy=kept)
                         key = (temperature, placement, mode)
-                        tokens[key] = tokens.get(key, 0) + len(gen.token_ids) - gen.trace[0][1]
-                        seconds[key] = seconds.get(key, 0.0) + gen.trace[-1][0] - gen.trace[0][0]
+                        tokens[key] = tokens.get(key, 0) + len(gen.token_ids)
+                        seconds[key] = seconds.get(key, 0.0) + gen.trace[-1][0] - gen.prefilled
                         n, t = whole.get(key, (0, 0.0))
                         whole[key] = (n + len(gen.token_ids), t + gen.seconds)
                         steps.end(f"t={temperature} {placement} {mode}, prompt {i + 1}: {len(gen.token_ids)} tokens, "
@@ -139,7 +139,7 @@ def main(args) -> int:
                       "ylabel": "tokens / s", "title": f"{p['placement']}, temperature {p['temperature']}"}
                      for p in points])
     summary(f"bench depth: the default policy vs fixed depths, {len(prompts)} {args.prompts} prompts, "
-            f"{cfg.target_model().dtype}, threads={args.threads}; decoding tokens/s after the first step",
+            f"{cfg.target_model().dtype}, threads={args.threads}; decoding tokens/s after the prefill",
             ["placement", "temperature", "target-only", "default", "best fixed", "default / best fixed",
              "default / target-only", "whole answers: default / best fixed"],
             [[p["placement"], p["temperature"], f"{p['tokens_per_s']['target_only']:.2f}",

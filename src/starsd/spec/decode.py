@@ -45,6 +45,7 @@ class Generation:
     trace: list[tuple[float, int]] = field(default_factory=list)  # (unix time a step ended, tokens it emitted)
     depths: list[int] = field(default_factory=list)  # depth of each step's draft (0: the step decoded alone)
     asked: list[int] = field(default_factory=list)  # depth asked of the drafter each step (0: not asked)
+    prefilled: float = 0.0  # unix time the target's prefill ended (0: no step)
 
     @property
     def mean_accepted(self) -> float:
@@ -82,6 +83,7 @@ class Step:
     depth: int = 0  # depth of the draft it verified (0: the step decoded alone)
     asked: int = 0  # depth asked of the drafter (0: not asked)
     end: float = 0.0  # unix time the step ended
+    prefilled: float = 0.0  # the stream's first step: unix time the target's prefill ended before it
 
 
 def collect(steps, deadline: float = math.inf) -> Generation:
@@ -95,6 +97,7 @@ def collect(steps, deadline: float = math.inf) -> Generation:
         gen.depths.append(step.depth)
         gen.asked.append(step.asked)
         gen.trace.append((step.end, len(step.tokens)))
+        gen.prefilled = gen.prefilled or step.prefilled
         if step.end > deadline:
             break
     gen.seconds = time.perf_counter() - t0
@@ -120,13 +123,15 @@ def target_only_steps(target, prompt_ids: list[int], max_new_tokens: int, sampli
     require_prompt(prompt_ids)
     gen = make_generator(sampling.seed, target.device)
     seq = target.start(prompt_ids)
+    prefilled = time.time()
     produced = 0
     done = max_new_tokens <= 0
     while not done:
         logits = target.score(seq, DraftTree.empty())
         emitted, done = clip([next_token(logits[0], sampling, gen)], max_new_tokens - produced, eos_ids)
         produced += len(emitted)
-        yield Step(emitted, end=time.time())
+        yield Step(emitted, end=time.time(), prefilled=prefilled)
+        prefilled = 0.0  # told with the first step only
         if not done:
             target.commit(seq, Verdict([], emitted))
 
@@ -173,6 +178,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         policy.holds = first > 0
     t_prefill = time.perf_counter()
     seq = target.start(prompt_ids) if taps is None else target.start(prompt_ids, taps)
+    prefilled = time.time()
     if policy:
         policy.prefill((time.perf_counter() - t_prefill) * 1e3)
     if inline and max_new_tokens > 0:  # a draft computed when asked, nothing to overlap with the prefill:
@@ -244,7 +250,8 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
             policy.observe(tree.depth(), verdict.num_accepted, draft_ms, len(tree) + 1, verify_ms, share, asked)
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         produced += len(emitted)
-        yield Step(emitted, verdict.num_accepted, tree.depth(), depth or ahead, time.time())
+        yield Step(emitted, verdict.num_accepted, tree.depth(), depth or ahead, time.time(), prefilled)
+        prefilled = 0.0  # told with the first step only
         if not done:
             if taps is not None:  # the root's feature, then each accepted node's
                 new_features.append(seq.features[torch.tensor([0] + [p + 1 for p in verdict.path])])
