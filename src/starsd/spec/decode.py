@@ -182,9 +182,8 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     if policy:
         policy.prefill((time.perf_counter() - t_prefill) * 1e3)
     if inline and max_new_tokens > 0:  # a draft computed when asked, nothing to overlap with the prefill:
-        depth = pick(max_new_tokens)  # the first depth is chosen knowing the prefill's cost (a fresh policy
-        # takes it for a pass's until it measures one: asked before, with a pass at its 100 ms prior, a
-        # co-located stream opened 2 deep where its drafts ran 8 deep on average)
+        depth = pick(max_new_tokens)  # the first depth is chosen after the prefill (a fresh policy decodes
+        # the first step alone, measuring what every draft is weighed against: spec/depth.py, choose)
     ingests = True  # the stream's next draft is its first: the drafter ingests the prompt with it
     new_tokens: list[int] = []  # committed, not yet given to the drafter
     new_features = [] if taps is None or seq.features is None else [seq.features]  # theirs, for a feature-level drafter

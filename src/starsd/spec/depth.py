@@ -454,7 +454,7 @@ class DepthPolicy:
                 look = max(range(1, limit + 1), key=self.rate)
                 if self.could_pay(look) and (self.holds or not self.cohosted):
                     self.idle_looks += 1
-                    best = limit if self.stops else look  # a chain that stops itself is asked as drafting would
+                    best = look  # where chains stop themselves too: a look costs less the shallower it is
             elif self.verify_ms.measured(1) < 3 or self.verify_ms.stale(1):  # decoding alone, to compare
                 best = 0  # with: measured little yet, or long ago (one-token passes slowed by a draft computed
                 # beside them, then never measured again while drafting, could keep a stream drafting at a loss)
