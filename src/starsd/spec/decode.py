@@ -83,7 +83,7 @@ class Step:
     depth: int = 0  # depth of the draft it verified (0: the step decoded alone)
     asked: int = 0  # depth asked of the drafter (0: not asked)
     end: float = 0.0  # unix time the step ended
-    prefilled: float = 0.0  # the stream's first step: unix time the target's prefill ended before it
+    prefilled: float = 0.0  # unix time the stream's prefill ended
 
 
 def collect(steps, deadline: float = math.inf) -> Generation:
@@ -97,7 +97,7 @@ def collect(steps, deadline: float = math.inf) -> Generation:
         gen.depths.append(step.depth)
         gen.asked.append(step.asked)
         gen.trace.append((step.end, len(step.tokens)))
-        gen.prefilled = gen.prefilled or step.prefilled
+        gen.prefilled = step.prefilled
         if step.end > deadline:
             break
     gen.seconds = time.perf_counter() - t0
@@ -131,7 +131,6 @@ def target_only_steps(target, prompt_ids: list[int], max_new_tokens: int, sampli
         emitted, done = clip([next_token(logits[0], sampling, gen)], max_new_tokens - produced, eos_ids)
         produced += len(emitted)
         yield Step(emitted, end=time.time(), prefilled=prefilled)
-        prefilled = 0.0  # told with the first step only
         if not done:
             target.commit(seq, Verdict([], emitted))
 
@@ -250,7 +249,6 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         emitted, done = clip(verdict.tokens, budget, eos_ids)
         produced += len(emitted)
         yield Step(emitted, verdict.num_accepted, tree.depth(), depth or ahead, time.time(), prefilled)
-        prefilled = 0.0  # told with the first step only
         if not done:
             if taps is not None:  # the root's feature, then each accepted node's
                 new_features.append(seq.features[torch.tensor([0] + [p + 1 for p in verdict.path])])
