@@ -28,8 +28,11 @@ drafts free: the most speed-up over one token a pass that this engine and this d
 Each StarSD mode's greedy output is compared with its engine's target-only output on the same cores:
 the share of prompts equal, and for each divergence its position and llama.cpp's top-2 logit margin
 there (the engine's batched and single-token kernels round differently: every divergence must be at
-a near-tie). Tokens/s are the decoding's, after the prompt's first step (the prefill costs every mode
-alike); llama-speculative-simple reports its own decoding speed, after its prompt. Each runner first
+a near-tie). Tokens/s are the decoding's, after the prompt's prefill (which costs every mode alike);
+llama-speculative-simple reports its own decoding speed, after its prompt. (Until commit 43c6490
+they were counted after each prompt's first step, as bench depth's were: a mode whose first step
+drafted, and ingested the prompt into its drafter, had that step left out where the default, which
+decodes its first step alone co-located, had a cheap one left out.) Each runner first
 decodes one prompt (the set's first) unmeasured, in each of its modes.
 """
 
@@ -113,8 +116,8 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, wit
             gen = target_only(loaded.target, ids, n, greedy, loaded.eos_ids)
         else:
             gen = speculative(loaded.target, drafter, ids, n, draft, greedy, loaded.eos_ids, policy=policy)
-        conn.send({"token_ids": gen.token_ids, "decoded": len(gen.token_ids) - gen.trace[0][1],
-                   "decode_s": gen.trace[-1][0] - gen.trace[0][0], "steps": gen.num_steps,
+        conn.send({"token_ids": gen.token_ids, "decoded": len(gen.token_ids),
+                   "decode_s": gen.trace[-1][0] - gen.prefilled, "steps": gen.num_steps,
                    "mean_accepted": gen.mean_accepted, "drafted_steps": sum(1 for d in gen.depths if d)})
 
 
@@ -371,7 +374,7 @@ def main(args) -> int:
     facts["divergences"] = ", ".join(f"{d['mode']} {d['prompt']} at {d['position']} (margin {d['margin']:.3f})"
                                      for d in divergences) or "none"
     summary(f"bench llamacpp: {len(prompts)} {args.prompts} prompts from #{args.offset}, {args.max_new_tokens} tokens, "
-            f"greedy, {cpu_kind()}; decoding tokens/s after the first step",
+            f"greedy, {cpu_kind()}; decoding tokens/s after the prefill",
             ["mode", "tokens/s", "vs alone on the same cores", "accepted a drafted step", "greedy output equal"], rows,
             facts=facts, files={"JSON": args.json_out, "plot": png})
     return 0 if all(d["near_tie"] for d in divergences) else 1
