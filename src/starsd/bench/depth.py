@@ -108,7 +108,7 @@ def main(args) -> int:
                                               sampling, pair.eos_ids, policy=kept)
                         key = (temperature, placement, mode)
                         tokens[key] = tokens.get(key, 0) + len(gen.token_ids)
-                        seconds[key] = seconds.get(key, 0.0) + gen.trace[-1][0] - gen.prefilled
+                        seconds[key] = seconds.get(key, 0.0) + gen.decoding_s
                         n, t = whole.get(key, (0, 0.0))
                         whole[key] = (n + len(gen.token_ids), t + gen.seconds)
                         steps.end(f"t={temperature} {placement} {mode}, prompt {i + 1}: {len(gen.token_ids)} tokens, "

@@ -29,10 +29,10 @@ Each StarSD mode's greedy output is compared with its engine's target-only outpu
 the share of prompts equal, and for each divergence its position and llama.cpp's top-2 logit margin
 there (the engine's batched and single-token kernels round differently: every divergence must be at
 a near-tie). Tokens/s are the decoding's, after the prompt's prefill (which costs every mode alike);
-llama-speculative-simple reports its own decoding speed, after its prompt. (Until commit 43c6490
-they were counted after each prompt's first step, as bench depth's were: a mode whose first step
-drafted, and ingested the prompt into its drafter, had that step left out where the default, which
-decodes its first step alone co-located, had a cheap one left out.) Each runner first
+llama-speculative-simple reports its own decoding speed, after its prompt. (The figures in
+docs/benchmarks.md were counted after each prompt's first step, as their text says: a mode whose
+first step drafted and ingested the prompt had that step left out, the default co-located a cheap
+one, decoded alone.) Each runner first
 decodes one prompt (the set's first) unmeasured, in each of its modes.
 """
 
@@ -117,7 +117,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, wit
         else:
             gen = speculative(loaded.target, drafter, ids, n, draft, greedy, loaded.eos_ids, policy=policy)
         conn.send({"token_ids": gen.token_ids, "decoded": len(gen.token_ids),
-                   "decode_s": gen.trace[-1][0] - gen.prefilled, "steps": gen.num_steps,
+                   "decode_s": gen.decoding_s, "steps": gen.num_steps,
                    "mean_accepted": gen.mean_accepted, "drafted_steps": sum(1 for d in gen.depths if d)})
 
 

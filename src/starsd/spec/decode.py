@@ -54,6 +54,11 @@ class Generation:
         return sum(drafted) / len(drafted) if drafted else 0.0
 
     @property
+    def decoding_s(self) -> float:
+        """Seconds from the end of the prefill to the last step (the decoding alone; 0: no step)."""
+        return self.trace[-1][0] - self.prefilled if self.trace else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
 
