@@ -266,7 +266,10 @@ def listen(host: str, port: int, api_key: str, insecure: bool = False) -> socket
                             "--api-key-file) that clients must send, or pass --insecure to serve it open")
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family)
+        # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
+        # whose proto says TCP, and with it on, a kept-alive request's reply, written as headers then
+        # body, waited ~40 ms for the client's delayed ACK
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
