@@ -4,9 +4,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # llama-cpp-python is a source package: its wheel is built once per CPU (for the host's instruction
-# set), ~15-20 min on 2 cores, and kept in a folder named after the CPU's flags.
+# set), ~15-20 min on 2 cores, and kept in a folder named after the CPU's flags and the build's.
+# Built without llama.cpp's AMX kernels: its AMX buffer crashes in the first llama_decode of a
+# Q4_K_M file (llama.cpp issue #20824), and without them an AMX CPU keeps the AVX-512 repacked
+# weights that every other x86 CPU gets (models/llamacpp.py, docs/benchmarks.md#llamacpp-on-amx).
 LLAMA  := llama-cpp-python==0.3.36
-WHEELS := $(HOME)/.cache/starsd-wheels/$(shell grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-12)
+LLAMA_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+WHEELS := $(HOME)/.cache/starsd-wheels/$(shell { grep -m1 '^flags' /proc/cpuinfo; echo '$(LLAMA_FLAGS)'; } | md5sum | cut -c1-12)
 
 .PHONY: demo test setup models bench bench-star clean
 
@@ -18,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	ls $(WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { echo "building llama.cpp for this CPU (once, ~15-20 min)"; \
-	  CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip wheel -q --disable-pip-version-check --no-deps $(LLAMA) -w $(WHEELS); }
+	  CMAKE_ARGS="-DGGML_NATIVE=ON" CFLAGS="$(LLAMA_FLAGS)" CXXFLAGS="$(LLAMA_FLAGS)" $(PY) -m pip wheel -q --disable-pip-version-check --no-deps $(LLAMA) -w $(WHEELS); }
 	$(PY) -m pip install -q --disable-pip-version-check --find-links $(WHEELS) -e ".[dev]"
 	touch $(STAMP)
 

@@ -26,6 +26,7 @@ import torch
 import tiny
 from gguf_tiny import VOCAB, write_tiny_model_dir
 from starsd.config import SamplingConfig
+from starsd.models.batcher import Job
 from starsd.models.target import TargetModel
 from starsd.spec.decode import target_only
 from starsd.spec.tree import DraftTree
@@ -168,6 +169,19 @@ def test_an_engine_dropped_ends_its_batcher_thread_and_is_freed(model_dir):
         gc.collect()
         thread.join(timeout=5)
         assert gone() is None and not thread.is_alive()
+
+
+def test_an_engine_closed_ends_its_batcher_thread_at_once(model_dir):
+    """close() ends the Batcher's thread at once, while the caller still holds the engine; a stream
+    that asks for a pass after that hears that the engine was closed instead of waiting forever."""
+    for make in (lambda: TargetModel(tiny.tiny_model(1), streams=2),
+                 lambda: LlamaCppTarget(model_dir / "model.gguf", threads=1, streams=2)):
+        engine = make()
+        steps_together(engine.slots, [[5, 6, 7], [8, 9]], engine.width)
+        engine.close()
+        assert not engine.batcher.thread.is_alive()
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.batcher.submit(Job())
 
 
 def test_serve_routes_two_streams_to_one_target_and_refuses_a_third(model_dir):

@@ -37,8 +37,9 @@ class Batcher:
     rows hold (the first always). A pass that fails is tried again for each job alone, so that
     only the stream whose rows the engine refuses hears of it.
 
-    The thread holds its engine weakly (`run` is a bound method of it): once the engine is dropped,
-    the thread ends within IDLE_S, and the engine's memory goes with it."""
+    The thread ends when its engine is closed (`close`: at once, jobs still waiting get an error) or
+    dropped: it holds the engine weakly (`run` is a bound method of it), looks every IDLE_S whether
+    it is still there, and ends without it, so that the engine's memory goes with it."""
 
     GATHER_S = 0.004
     IDLE_S = 1.0  # how often an idle thread looks whether its engine is still there
@@ -51,12 +52,15 @@ class Batcher:
         self.open = 0  # streams that will ask for passes (started, not ended)
         self.asked = 0  # jobs submitted, in all
         self.passes = 0  # passes run for them
+        self.closed = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
         """Wait until `job` is done (its results and share of the pass set), or raise its error."""
         with self.cond:
+            if self.closed:
+                raise RuntimeError("the target engine was closed")
             self.waiting.append(job)
             self.asked += 1
             self.cond.notify_all()
@@ -69,16 +73,30 @@ class Batcher:
             self.open += n
             self.cond.notify_all()
 
+    def close(self) -> None:
+        """End the thread (after the pass it may be running); jobs still waiting fail."""
+        with self.cond:
+            self.closed = True
+            for job in self.waiting:
+                job.error = RuntimeError("the target engine was closed")
+                job.done.set()
+            self.waiting.clear()
+            self.cond.notify_all()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
     def _take(self) -> list[Job] | None:
-        """The jobs of the next pass; None once the engine is gone."""
+        """The jobs of the next pass; None once the engine is closed or gone."""
         with self.cond:
             while not self.waiting:
-                if self.run() is None:
+                if self.closed or self.run() is None:
                     return None
                 self.cond.wait(self.IDLE_S)
             until = time.monotonic() + self.GATHER_S
             while len(self.waiting) < self.open and (left := until - time.monotonic()) > 0:
                 self.cond.wait(left)
+            if self.closed:
+                return None
             taken: list[Job] = []
             rows = 0
             while self.waiting and (not taken or rows + self.waiting[0].size <= self.capacity):

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from starsd.config import LLAMACPP_SEQUENCES, MAX_STREAMS, ModelConfig, cpu_flags
+from starsd.config import LLAMACPP_SEQUENCES, MAX_STREAMS, ModelConfig
 from starsd.errors import StarsdError
 from starsd.models import pinned
 from starsd.models.batcher import Batcher, Job
@@ -65,13 +65,15 @@ def _lib():
     return llama_cpp
 
 
-def amx() -> bool:
-    """Whether this CPU has AMX. llama.cpp built for such a CPU repacks a Q4_K_M file's weights into
-    its AMX buffer and then crashes in its first llama_decode (a segmentation fault in
-    ggml_backend_amx_mul_mat on a Xeon with AMX here, at every prompt; llama.cpp issue #20824, closed
-    unfixed): there the weights stay in llama.cpp's plain CPU buffers (no extra buffer types, so
-    none repacked: 90 ms a token at 2 threads on that Xeon)."""
-    return "amx_int8" in cpu_flags()
+def built_with_amx(ll) -> bool:
+    """Whether this llama.cpp was built with its AMX kernels. Those repack a Q4_K_M file's weights
+    into their AMX buffer and then crash in the first llama_decode (a segmentation fault in
+    ggml_backend_amx_mul_mat on a Xeon with AMX here, at every prompt; llama.cpp issue #20824).
+    `make setup` builds llama.cpp without them (-mno-amx-*), so that an AMX CPU repacks its weights
+    for AVX-512 as other x86 CPUs do: 65 ms a token at 2 threads on that Xeon, against 81 ms with
+    the weights left in plain buffers (docs/benchmarks.md#llamacpp-on-amx). A build that has them
+    (another `pip install`) loads without llama.cpp's extra buffer types, plain but safe."""
+    return b"AMX_INT8 = 1" in ll.llama_print_system_info()
 
 
 _LOG_CALLBACK = None  # kept alive: llama.cpp calls it for as long as the process runs
@@ -154,7 +156,7 @@ class LlamaCppTarget:
         _quiet(ll)
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        mparams.use_extra_bufts = not amx()
+        mparams.use_extra_bufts = not built_with_amx(ll)
         self.model = ll.llama_model_load_from_file(str(file).encode(), mparams)
         if not self.model:
             raise StarsdError(f"llama.cpp could not load {file}")
@@ -192,6 +194,9 @@ class LlamaCppTarget:
         return cls(gguf_file(cfg.path, cache), cfg.context, threads, cfg.streams)
 
     def close(self) -> None:
+        """Free the llama.cpp context and model; the batcher's thread ends first."""
+        if getattr(self, "batcher", None):
+            self.batcher.close()
         if getattr(self, "ctx", None):
             with self.lock:
                 self.ll.llama_batch_free(self.batch)

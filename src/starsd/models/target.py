@@ -70,6 +70,11 @@ class TargetModel:
         self.batcher = Batcher(self._run, BATCH_ROWS, "target-batcher") if streams > 1 else None
         self.slots = [TargetSlot(self) for _ in range(streams)]  # one per stream served at once
 
+    def close(self) -> None:
+        """End the batcher's thread (the model is freed once nothing holds it)."""
+        if self.batcher:
+            self.batcher.close()
+
     @property
     def device(self) -> torch.device:
         return fw.device_of(self.model)
