@@ -95,7 +95,8 @@ def test_network_sampling_is_seeded_and_matches_colocated(star, dirs, local):
 
 
 def test_killed_target_is_reclaimed_and_others_finish(star, dirs, local):
-    long = ["--max-new-tokens", "400", "--draft-depth", "2", "--prompt", "def victim():"]
+    # it cannot have finished when the kill comes, however fast the host (400 tokens or an EOS could have)
+    long = ["--max-new-tokens", "4000", "--ignore-eos", "--draft-depth", "2", "--prompt", "def victim():"]
     victim = spawn(["target", "--connect", star.address, "--json", *target_args(dirs)[:-4], *long])
     freed = stats(star)["sessions_freed"]
     deadline = time.monotonic() + 60
@@ -129,13 +130,15 @@ def test_the_first_draft_is_made_while_the_target_prefills(star, local):
         cfg = DraftConfig(depth=4, adaptive=False)
         prompt = [7, 3, 9, 12, 40]
         seq = drafter.start(prompt, cfg, SamplingConfig(), 4)
-        time.sleep(0.5)  # the target's prefill
-        asked = time.perf_counter()
+        reset = time.monotonic()
+        # drafted before it is asked for: its reply is in the socket before the prefill's 0.5 s are out (seen
+        # there, not read off a wait shorter than the server's queue + service ms, which a loaded host's
+        # preemption of this thread can make longer than those few ms)
+        assert client.sock.poll(10_000), "no first draft"
+        time.sleep(max(0.0, reset + 0.5 - time.monotonic()))  # the target's prefill
         drafter.propose(seq, [], cfg, SamplingConfig(), max_depth=4)
-        waited_ms = (time.perf_counter() - asked) * 1e3
         t = drafter.timing
-        assert t.batch == [1] and waited_ms < t.queue[0] + t.service[0]  # drafted before it was asked for
-        assert t.early == [True] and t.wall[0] >= 500  # its round trip runs from the prompt's reset,
+        assert t.batch == [1] and t.early == [True] and t.wall[0] >= 500  # its round trip runs from the prompt's reset,
         assert not t.overheads()  # and it tells nothing of the protocol's overhead
         gen = speculative(local.target, drafter, prompt, 40, cfg, SamplingConfig())
         assert gen.token_ids == target_only(local.target, prompt, 40, SamplingConfig()).token_ids

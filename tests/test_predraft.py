@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import time
+import types
 
 import pytest
 import torch
@@ -206,12 +207,18 @@ def test_predrafts_hold_no_more_draft_kv_than_the_budget_leaves_free(tiny_target
     assert free["outcomes"] > stats["outcomes"]  # the budget held it back, not the time
 
 
-def test_recent_busy_reads_only_the_last_seconds():
+def test_recent_busy_reads_only_the_last_seconds(monkeypatch):
+    """On a clock that stands still: on the real one, a window's edge inside a batch moved with every ms
+    the test took between its batches and its reads (0.01 allowed: 10 ms, which a loaded host can take)."""
+    from starsd.star import stats as stats_module
     from starsd.star.stats import ServerStats
+
+    now = 1000.0
+    monkeypatch.setattr(stats_module, "time", types.SimpleNamespace(perf_counter=lambda: now, time=lambda: 5000.0,
+                                                                    monotonic=lambda: now))
     stats = ServerStats()
-    now = time.perf_counter()
     stats.batch(now - 10.0, now - 9.0, 1)  # long ago
     stats.batch(now - 1.5, now - 0.5, 2)
     stats.batch(now - 0.4, now - 0.2, 2)
-    assert stats.recent_busy(2.0) == pytest.approx(0.6, abs=0.01)
-    assert stats.recent_busy(1.0) == pytest.approx(0.7, abs=0.01)  # 0.5 of the first recent batch, 0.2 of the next
+    assert stats.recent_busy(2.0) == pytest.approx(0.6)
+    assert stats.recent_busy(1.0) == pytest.approx(0.7)  # 0.5 of the first recent batch, 0.2 of the next

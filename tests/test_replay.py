@@ -130,13 +130,13 @@ def test_replay_host_against_a_real_draft_server(dirs, recording, tmp_path):
             assert len(r["trace"]) == r["num_steps"] == len(r["asked"])
             assert len(r["requests"]["wall"]) == sum(d > 0 for d in r["asked"])  # one request per draft asked
             assert sum(k for _, k in r["trace"]) == len(r["token_ids"])
-        t0 = time.time()
         timed = subprocess.run([*base, "--targets", "2", "--duration-s", "2"], capture_output=True, text=True,
                                timeout=120)
         assert timed.returncode == 0, timed.stderr
-        assert time.time() - t0 < 20
         rows = [json.loads(line) for line in timed.stdout.splitlines()]
         assert {r["target"] for r in rows} == {"replay-0", "replay-1"}
+        # the targets' own window: they go round the prompts and stop at the first step past 2 s. The
+        # process's start is no part of it (its imports take ~4 s of CPU, the more on a loaded host)
         assert max(r["finished"] for r in rows) - min(r["started"] for r in rows) < 4
     finally:
         star.close()
