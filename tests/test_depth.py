@@ -592,6 +592,47 @@ def test_a_cohosted_draft_is_charged_to_every_other_target_on_the_cores():
                share_per_level=46) == [0] * 64
 
 
+def test_a_first_draft_pays_back_the_prompt_it_has_a_cohosted_server_ingest():
+    """Seen on an AMX Xeon: a local star of two llama.cpp targets whose verify costs, measured on a
+    loaded host, made a draft look a little worth it. A stream's first draft had the server ingest
+    its HumanEval prompt (about a second of both cores) for one drafted step of 122: 0.87x decoding
+    alone, the server 25% busy. A draft that wins 11 ms a token saves 0.7 s over 64 tokens, less
+    than 150 prompt tokens at 7 ms each, taken from this target and its neighbour: the stream
+    decodes alone. It drafts where the server holds its tokens, where the answer is long enough to
+    pay the ingest back, or where the ingest's cost is not known."""
+    def choice(unsent: int, tokens: int, ingest_ms: float = 7.0) -> int:
+        policy = DepthPolicy(10, explore=16, cohosted=True, neighbours=1, inline=True, steps=5)
+        policy.server_prior(20.0)
+        for w, ms in {1: 110, 2: 140, 3: 160, 5: 200, 8: 260, 11: 320}.items():
+            for _ in range(3):
+                policy.verify_ms.add(w, ms)
+        policy.unsent = unsent
+        policy.ingest_ms = ingest_ms
+        return policy.choose(tokens - 1)
+
+    assert choice(150, 64) == 0
+    assert choice(0, 64) > 0 and choice(150, 2000) > 0 and choice(150, 64, ingest_ms=0.0) > 0
+    assert choice(11, 64) > 0  # a step's own tokens (at most max_depth + 1): what every draft carries
+
+
+def test_a_stream_tells_its_policy_what_the_drafter_lacks(tiny_target, tiny_drafters):
+    """Before each choice the decode loop says how many tokens the drafter does not hold: the whole
+    prompt (and what was decoded alone) until a first draft, then the tokens since the last one."""
+    seen: list[tuple[bool, int]] = []
+
+    class Watched(DepthPolicy):  # decodes its first two steps alone, then drafts
+        def choose(self, limit: int) -> int:
+            seen.append((self.holds, self.unsent))
+            self.steps += 1
+            return 0 if self.steps <= 2 else min(limit, 3)
+
+    prompt = [5, 6, 7, 8, 9]
+    speculative(tiny_target, tiny_drafters["good"], prompt, 12, DraftConfig(depth=3), SamplingConfig(),
+                policy=Watched(3))
+    assert seen[:3] == [(False, 5), (False, 6), (False, 7)] and len(seen) > 4
+    assert all(unsent <= 4 for holds, unsent in seen if holds)  # a step emits at most depth + 1 tokens
+
+
 def costed(verify: dict[int, float], level_ms: float) -> DepthPolicy:
     """A stream that has measured its verify passes by width and its drafts' levels, and whose drafts
     were right for their first 6 tokens of 10 (drafted 10 deep)."""

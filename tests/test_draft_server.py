@@ -403,6 +403,17 @@ def test_a_welcome_says_what_a_drafted_level_has_cost_lately(make_server):
     b.close()
 
 
+def test_a_welcome_says_what_a_prompt_token_costs_the_server(make_server):
+    """The warm-up ends with a prompt of a warm model; its time, less its one drafted level, per token
+    is what a new stream's prompt costs the server to ingest. Each Welcome says it: a target on the
+    server's host weighs its first draft with it (spec/depth.py, catch_up_pays)."""
+    server, address = make_server()
+    a = client(address)
+    assert 0 < a.ingest_ms == server.stats.ingest_ms() < 1e3
+    assert RemoteDrafter(a).ingest_ms == a.ingest_ms
+    a.close()
+
+
 def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(make_server):
     """A target's session opens with the star (its Welcome says what the warm-up's levels cost); its
     heartbeat's Pongs bring the figure of now once another stream's steps have been drafted."""

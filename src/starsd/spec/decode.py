@@ -158,6 +158,8 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         policy = DepthPolicy(draft_cfg.depth)
 
     def pick(budget: int) -> int:  # at most budget tokens come out: budget-1 drafted + 1
+        if policy:  # what the drafter lacks of the stream: its next draft ingests that first
+            policy.unsent = len(new_tokens) if policy.holds else len(prompt_ids) + produced
         return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
 
     def shaped() -> DraftConfig:  # this step's draft: with auto_stop, its chain stops where the policy's costs say
@@ -173,6 +175,10 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         policy.inline = inline
         policy.stops = draft_cfg.auto_stop
         policy.server_prior(drafter.level_ms)
+        policy.ingest_ms = drafter.ingest_ms
+    ingests = True  # the stream's next draft is its first: the drafter ingests the prompt with it
+    new_tokens: list[int] = []  # committed, not yet given to the drafter
+    produced = 0
     depth = pick(max_new_tokens) if max_new_tokens > 0 and not inline else 0
     # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
     first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)
@@ -188,16 +194,14 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     if inline and max_new_tokens > 0:  # a draft computed when asked, nothing to overlap with the prefill:
         depth = pick(max_new_tokens)  # the first depth is chosen after the prefill (a fresh policy decodes
         # the first step alone, measuring what every draft is weighed against: spec/depth.py, choose)
-    ingests = True  # the stream's next draft is its first: the drafter ingests the prompt with it
-    new_tokens: list[int] = []  # committed, not yet given to the drafter
     new_features = [] if taps is None or seq.features is None else [seq.features]  # theirs, for a feature-level drafter
-    produced = 0
     done = max_new_tokens <= 0
     while not done:
         budget = max_new_tokens - produced
         if policy and drafter.moves != policy.moves:  # another server drafts for this stream now
             policy.moves = drafter.moves
             policy.new_server(drafter.level_ms)
+            policy.ingest_ms = drafter.ingest_ms
         if policy:
             policy.neighbours = drafter.neighbours
         if produced:

@@ -274,6 +274,9 @@ class DepthPolicy:
     share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
     stops: bool = False  # each step's chain stops where stop() says (DraftConfig.auto_stop): a draft is
     # asked as deep as the step allows, and its chain runs as deep as it pays (spec/decode.py sets it)
+    unsent: int = 0  # tokens of the stream the drafter does not hold: the prompt until its first draft, then
+    # those decoded alone since the last one (spec/decode.py sets it before each choice)
+    ingest_ms: float = 0.0  # the drafter's time to ingest one such token (0: not known; the drafter says it)
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -402,6 +405,22 @@ class DepthPolicy:
         compute = self.share_ms(d) + self.taken(d) if self.cohosted else self.draft_ms(d) if self.inline else 0.0
         return (1.0 + d) / max(compute + self.verify_ms(d + 1), 1e-6) > self.rate(0)
 
+    def catch_up_pays(self, d: int, tokens: int) -> bool:
+        """Whether a draft d deep pays back the drafter's catching up on the tokens it does not hold,
+        where that compute is taken from this host's targets (a co-hosted server's, or a drafter in
+        this process: `inline`). A stream that drafts every step sends only the last step's tokens
+        (at most max_depth + 1), which its drafts' measured costs already hold; beyond those, each
+        token costs ingest_ms, and a co-hosted server's is taken from each neighbour too. Drafting
+        at rate(d) over the `tokens` the stream may still emit must save more than that. Seen on an AMX Xeon:
+        a local star of two llama.cpp targets whose verify costs, measured on a loaded host, made a
+        first draft look worth it had the server ingest a HumanEval prompt (about a second of both
+        cores) for one drafted step of 122, and ran at 0.87x decoding alone."""
+        lacking = self.unsent if self.unsent > self.max_depth + 1 else 0
+        if not lacking or self.ingest_ms <= 0 or not (self.cohosted or self.inline):
+            return True
+        cost = lacking * self.ingest_ms * (1 + (self.neighbours if self.cohosted else 0))
+        return tokens / self.rate(0) - tokens / self.rate(d) > cost
+
     def first(self, limit: int, behind: float = 1.0, server_ms: float = 0.0) -> int:
         """The depth to ask of a remote drafter before a prompt's prefill: a draft asked ahead, with
         the prefill's time (the last prompt's) to come before the first step. None where the server
@@ -422,6 +441,7 @@ class DepthPolicy:
         a draft that does not pay, so it is not gambled on); how deep, on one draw of each
         position's acceptance, so that a depth the stream knows little about is tried in proportion
         to how likely it is to pay."""
+        tokens = max(0, limit) + 1  # the stream may still emit (its budget)
         limit = max(0, min(limit, self.max_depth))
         if self.paused > 0:
             self.paused -= 1
@@ -443,6 +463,8 @@ class DepthPolicy:
             # (a llama.cpp target here took the prefill's 660 ms for a pass's, drafted 10 levels at its
             # first step, about 480 ms with the prompt's ingest against 32 for a token, and 0.93x
             # decoding alone over 8 HumanEval answers in replay)
+        if best > 0 and not self.catch_up_pays(best, tokens):
+            best = 0
         if best > 0:
             self.idle_looks = 0
         interval = self.explore << min(self.idle_looks, 4)
@@ -452,7 +474,7 @@ class DepthPolicy:
                 # waits twice as long for the next (up to 16 x explore): a look can cost several
                 # passes where verifying a draft is dear, and must not add up to a loss
                 look = max(range(1, limit + 1), key=self.rate)
-                if self.could_pay(look) and (self.holds or not self.cohosted):
+                if self.could_pay(look) and (self.holds or not self.cohosted) and self.catch_up_pays(look, tokens):
                     self.idle_looks += 1
                     best = look  # where chains stop themselves too: a look costs less the shallower it is
             elif self.verify_ms.measured(1) < 3 or self.verify_ms.stale(1):  # decoding alone, to compare

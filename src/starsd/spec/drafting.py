@@ -23,6 +23,7 @@ class DraftSource(Protocol):
     cohosted: bool  # its drafts are computed on this host's cores, even those nobody waits for
     neighbours: int  # cohosted: the other targets on those cores, whose compute each draft takes too
     level_ms: float  # what a drafted level has cost of late (0: not known): a new stream's prior
+    ingest_ms: float  # what ingesting one token of a stream it does not hold costs it (0: not known)
     lateness: float  # asynchronous: tokens a stream commits between asking a draft and reading it
     server_ms: float  # asynchronous: the drafting side's own time on a request
     moves: int  # sessions moved to another server so far: what was learnt of the last one's costs is void
@@ -49,6 +50,7 @@ class LocalDrafting:
     cohosted = False
     neighbours = 0
     level_ms = 0.0
+    ingest_ms = 0.0
     lateness = 1.0
     server_ms = 0.0
     moves = 0

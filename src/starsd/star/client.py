@@ -121,6 +121,7 @@ class DraftClient:
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
         self._welcome_level_ms = 0.0  # the server's time per drafted level, as its Welcome said (0: unknown)
+        self.ingest_ms = 0.0  # the server's time to ingest a token of a stream it does not hold, as its Welcome said
         self._welcome_local = -1  # the server's sessions of targets on its host, as its Welcome said (-1: not said)
         self.hello_at = time.monotonic()  # when the last Hello went out
         self.hello_pending = False  # a Hello went out on this socket and no Welcome or refusal was read since
@@ -157,6 +158,7 @@ class DraftClient:
             self._judged = self.loads.rounds + 2
             self._uneven = None
         self._welcome_level_ms = welcome.level_ms
+        self.ingest_ms = welcome.ingest_ms
         self._welcome_local = welcome.local
         if self.heartbeat_s > 0:
             if self._heartbeat:

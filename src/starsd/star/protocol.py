@@ -41,10 +41,10 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 6  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+PROTOCOL_VERSION = 7  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
 # travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
 # level_ms; 5: and its sessions of targets on its own host (`local`); 6: a draft request may say where its chain
-# stops (`stop`: the stream's depth policy chooses it per step)
+# stops (`stop`: the stream's depth policy chooses it per step); 7: Welcome says the server's ingest_ms
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -122,6 +122,9 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     # of one stream's draft (ServerStats.level_ms; 0: none measured yet): a new stream's prior for what a draft costs
     local: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # the server's sessions of targets on its own host
     # (-1: not said): a co-hosted target's draft takes its compute from each of them (spec/depth.py, `neighbours`)
+    ingest_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's time to ingest one token of a
+    # stream it does not hold (a prompt), as its warm-up measured (0: not measured): what a stream's first draft
+    # costs beyond its levels (spec/depth.py, `unsent`)
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -211,6 +211,11 @@ class RemoteDrafter:
         return self.client.level_ms
 
     @property
+    def ingest_ms(self) -> float:
+        """The server's time to ingest one token of a stream it does not hold (0: unknown)."""
+        return self.client.ingest_ms
+
+    @property
     def neighbours(self) -> int:
         """Other targets whose cores this stream's drafts are computed on: a co-hosted server's sessions
         of targets on its host, this stream's own left out (0: none, or the server is not on this host)."""

@@ -41,6 +41,8 @@ log = logging.getLogger("starsd.server")
 
 
 class DraftServer:
+    WARM_PROMPT = 64  # tokens of the warm-up's prompt that measures a prompt token's cost
+
     def __init__(self, drafter: Drafter, fingerprint: str, vocab_size: int, cfg: ServerConfig,
                  name: str = "starsd-draft"):
         self.drafter = drafter
@@ -106,7 +108,15 @@ class DraftServer:
                                                         SamplingConfig())])[0]
             if step:  # the first ingested the prompt: not what a level costs
                 self.stats.level((time.perf_counter() - start) * 1e3, tree.depth(), 1)
-        log.info("draft server %s: %.1f ms a drafted level, warmed up", self.name, self.stats.level_ms())
+        # then a prompt of a warm model: its time less one level's is what each token of a new stream's
+        # prompt costs (a co-hosted target weighs its first draft with it: spec/depth.py, `unsent`)
+        prompt = [(7 + 3 * i) % self.sessions.vocab_size for i in range(self.WARM_PROMPT)]
+        start = time.perf_counter()
+        tree = self.drafter.propose_batch([DraftJob(self.drafter.start(prompt), [], DraftConfig(depth=1),
+                                                    SamplingConfig())])[0]
+        self.stats.ingested((time.perf_counter() - start) * 1e3 - tree.depth() * self.stats.level_ms(), len(prompt))
+        log.info("draft server %s: %.1f ms a drafted level, %.2f ms a prompt token, warmed up", self.name,
+                 self.stats.level_ms(), self.stats.ingest_ms())
 
     def start(self) -> threading.Thread:
         """serve() on a thread of its own (tests, embedding); returns once the socket is bound."""
@@ -212,7 +222,8 @@ class DraftServer:
             if isinstance(msg, P.Hello):
                 s = self.sessions.open(req.peer, msg, req.user, req.local)
                 self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps,
-                                                      self.stats.level_ms(), self.sessions.local()))
+                                                      self.stats.level_ms(), self.sessions.local(),
+                                                      self.stats.ingest_ms()))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:

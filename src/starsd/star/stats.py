@@ -41,6 +41,7 @@ class ServerStats:
         self.work: collections.Counter = collections.Counter()
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
         self.levels: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step batches
+        self._ingest_ms = 0.0  # ms to ingest one token of a new stream, as the warm-up measured (0: not yet)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed, predrafts and
@@ -72,6 +73,16 @@ class ServerStats:
         if levels > 0:
             with self.lock:
                 self.levels.append(ms / levels / size)
+
+    def ingested(self, ms: float, tokens: int) -> None:
+        """One stream's `tokens` prompt tokens took `ms` to ingest (its draft's levels left out)."""
+        with self.lock:
+            self._ingest_ms = max(0.0, ms) / max(1, tokens)
+
+    def ingest_ms(self) -> float:
+        """What ingesting one token of a stream it does not hold costs the server (0: not measured)."""
+        with self.lock:
+            return self._ingest_ms
 
     def level_ms(self) -> float:
         """The median of recent step batches' time per drafted level per stream (0: none yet): what a
