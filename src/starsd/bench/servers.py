@@ -44,10 +44,6 @@ from starsd.star.launch import Star, start_server
 from starsd.theory import simulate, sysmodel
 
 
-NICE = ["nice", "-n", "-10"] if os.geteuid() == 0 else []  # the replay host before the servers: it stands for
-# hosts of its own, and a server pre-drafting in its idle time would otherwise starve its emulated passes
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     harness.add_star_args(p, "results/servers.json")
     p.add_argument("--kill-at-s", type=float, default=10.0, help="seconds into the window the second server dies")
@@ -172,7 +168,8 @@ def predictions(profile: sysmodel.Profile, points: dict, n: int, seed: int, adap
 
 def run(args, steps: Steps) -> dict:
     inputs = harness.prepare(args)
-    runner = harness.Runner(inputs, args, NICE)
+    runner = harness.Runner(inputs, args)  # before the servers (harness.APART): a server pre-drafting in
+    # its idle time would otherwise starve the replay host's emulated passes
     n = harness.numbers(args.targets)[0]
     profile = calibrate(args, inputs, runner, steps) if args.model_check else None
     out = {}
