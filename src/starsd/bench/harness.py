@@ -138,23 +138,25 @@ def replay_command(inputs: Inputs, address: str, n: int, max_new_tokens: int, du
             *C.to_flags(draft or inputs.draft, prefix="draft-"), *(["--no-spec"] if no_spec else [])]
 
 
-# A replay host stands for target machines of their own, yet runs on the draft server's cores: it goes
-# first (as root), or a busy server starves its emulated passes. On an AMX Xeon (2 cores, bench scale's
-# replay of a transformers target) 32 replay targets made 4.90 tokens/s each decoding alone, and 3.88
-# beside a saturated server while they decoded alone 99% of their steps; at this priority, or with the
-# host and the server on a core each, they made their own speed again (5.12 pinned).
-APART = ["nice", "-n", "-10"] if os.geteuid() == 0 else []
+# A replay host stands for target machines of their own, yet runs on the draft server's cores. It is one
+# process, whose Python runs one thread at a time: it keeps to one core, where the server's threads make
+# way for it (nice -10, as root). On an AMX Xeon (2 cores, bench scale's replay of a transformers
+# target), 32 replay targets made 4.90 tokens/s each decoding alone; beside a saturated server on both
+# cores, 3.88 while they decoded alone 99% of their steps (3.96 at nice -10, its threads still moving
+# between the cores), 4.99 on one core at nice -10 with the server 98% busy on both.
+FIRST = ["nice", "-n", "-10"] if os.geteuid() == 0 else []
+APART = FIRST + ["taskset", "-c", str(min(os.sched_getaffinity(0)))]
 
 
 class Runner:
     """Runs one point: a replay host with n targets against a draft server, over warm-up + window.
     `prefix` runs the host through a wrapper (`ip netns exec NS`: the targets on another host); the
-    host always runs before the server's threads (APART)."""
+    host keeps to one core, before the server's threads (APART)."""
 
-    def __init__(self, inputs: Inputs, args, prefix: list[str] = ()):
+    def __init__(self, inputs: Inputs, args, prefix: list[str] = (), apart: list[str] = APART):
         self.inputs = inputs
         self.args = args
-        self.prefix = APART + list(prefix)
+        self.prefix = list(apart) + list(prefix)
 
     def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None,
              draft: C.DraftConfig | None = None, during=None) -> tuple[list[dict], float]:

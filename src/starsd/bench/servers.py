@@ -168,8 +168,8 @@ def predictions(profile: sysmodel.Profile, points: dict, n: int, seed: int, adap
 
 def run(args, steps: Steps) -> dict:
     inputs = harness.prepare(args)
-    runner = harness.Runner(inputs, args)  # before the servers (harness.APART): a server pre-drafting in
-    # its idle time would otherwise starve the replay host's emulated passes
+    runner = harness.Runner(inputs, args, apart=harness.FIRST)  # before the servers, which have a core each: a
+    # server pre-drafting in its idle time would otherwise starve the replay host's emulated passes
     n = harness.numbers(args.targets)[0]
     profile = calibrate(args, inputs, runner, steps) if args.model_check else None
     out = {}
