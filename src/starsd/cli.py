@@ -522,6 +522,8 @@ BENCHES = {  # name: (help, module with add_args and main)
                      "starsd.bench.replay_check"),
     "serve": ("M concurrent streaming clients against starsd serve: target-only vs speculative targets",
               "starsd.bench.serve"),
+    "gateway": ("the gateway's added latency: a whole request, TTFT and the time per streamed chunk through it "
+                "(kept alive) against its target server asked directly", "starsd.bench.gateway"),
     "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",
                   "starsd.bench.multihost"),
     "latency": ("the paper's latency claim: one pair alone against the same pair in a star of N (draft time per "
