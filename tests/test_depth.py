@@ -595,7 +595,7 @@ def test_a_cohosted_draft_is_charged_to_every_other_target_on_the_cores():
 def test_a_first_draft_pays_back_the_prompt_it_has_a_cohosted_server_ingest():
     """Seen on an AMX Xeon: a local star of two llama.cpp targets whose verify costs, measured on a
     loaded host, made a draft look a little worth it. A stream's first draft had the server ingest
-    its HumanEval prompt (about a second of both cores) for one drafted step of 122: 0.87x decoding
+    its HumanEval prompt (about a second of its time on the shared cores) for one drafted step of 122: 0.87x decoding
     alone, the server 25% busy. A draft that wins 11 ms a token saves 0.7 s over 64 tokens, less
     than 150 prompt tokens at 7 ms each, taken from this target and its neighbour: the stream
     decodes alone. It drafts where the server holds its tokens, where the answer is long enough to

@@ -413,8 +413,8 @@ class DepthPolicy:
         token costs ingest_ms, and a co-hosted server's is taken from each neighbour too. Drafting
         at rate(d) over the `tokens` the stream may still emit must save more than that. Seen on an AMX Xeon:
         a local star of two llama.cpp targets whose verify costs, measured on a loaded host, made a
-        first draft look worth it had the server ingest a HumanEval prompt (about a second of both
-        cores) for one drafted step of 122, and ran at 0.87x decoding alone."""
+        first draft look worth it had the server ingest a HumanEval prompt (about a second of its time on
+        the shared cores) for one drafted step of 122, and ran at 0.87x decoding alone."""
         lacking = self.unsent if self.unsent > self.max_depth + 1 else 0
         if not lacking or self.ingest_ms <= 0 or not (self.cohosted or self.inline):
             return True
