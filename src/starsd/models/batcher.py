@@ -9,6 +9,7 @@ draft costs its stream when others share the pass (spec/decode.py reads it as se
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -82,7 +83,9 @@ class Batcher:
                 job.done.set()
             self.waiting.clear()
             self.cond.notify_all()
-        if threading.current_thread() is not self.thread:
+        # not from the thread itself (its engine's last reference may drop there), nor at the
+        # interpreter's exit (an engine's __del__ then; a daemon thread no longer runs to end)
+        if threading.current_thread() is not self.thread and not sys.is_finalizing():
             self.thread.join()
 
     def _take(self) -> list[Job] | None:
