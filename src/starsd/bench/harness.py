@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -138,25 +137,14 @@ def replay_command(inputs: Inputs, address: str, n: int, max_new_tokens: int, du
             *C.to_flags(draft or inputs.draft, prefix="draft-"), *(["--no-spec"] if no_spec else [])]
 
 
-# A replay host stands for target machines of their own, yet runs on the draft server's cores. It is one
-# process, whose Python runs one thread at a time: it keeps to one core, where the server's threads make
-# way for it (nice -10, as root). On an AMX Xeon (2 cores, bench scale's replay of a transformers
-# target), 32 replay targets made 4.90 tokens/s each decoding alone; beside a saturated server on both
-# cores, 3.88 while they decoded alone 99% of their steps (3.96 at nice -10, its threads still moving
-# between the cores), 4.99 on one core at nice -10 with the server 98% busy on both.
-FIRST = ["nice", "-n", "-10"] if os.geteuid() == 0 else []
-APART = FIRST + ["taskset", "-c", str(min(os.sched_getaffinity(0)))]
-
-
 class Runner:
     """Runs one point: a replay host with n targets against a draft server, over warm-up + window.
-    `prefix` runs the host through a wrapper (`ip netns exec NS`: the targets on another host); the
-    host keeps to one core, before the server's threads (APART)."""
+    `prefix` runs the host through a wrapper (`ip netns exec NS`: the targets on another host)."""
 
-    def __init__(self, inputs: Inputs, args, prefix: list[str] = (), apart: list[str] = APART):
+    def __init__(self, inputs: Inputs, args, prefix: list[str] = ()):
         self.inputs = inputs
         self.args = args
-        self.prefix = list(apart) + list(prefix)
+        self.prefix = list(prefix)
 
     def host(self, address: str, n: int, no_spec: bool = False, duration_s: float | None = None,
              draft: C.DraftConfig | None = None, during=None) -> tuple[list[dict], float]:

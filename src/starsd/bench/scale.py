@@ -1,10 +1,8 @@
 """Scaling benchmark: the star against N, side by side with its baselines, in one run.
 
 Targets are replay targets (replay.py): remote target machines emulated with the real target's
-recorded greedy continuations and its verify latency, so N of them cost this machine little; the
-draft server is real. The replay host keeps to one core, before the server's threads (harness.APART):
-it stands for machines of their own, and a saturated server on the same cores had starved it (its
-targets decoded alone at 0.79x their own speed). Modes, each measured over the same window after a warm-up:
+recorded greedy continuations and its verify latency, so N of them cost this machine nothing; the
+draft server is real. Modes, each measured over the same window after a warm-up:
 - target-only: a target decoding alone, no speculation. Targets on separate machines do not
   interact, so it is measured at N = 1 and the system figure is N times it.
 - single-pair: each target with a draft server of its own (draft-then-verify). Measured as the
@@ -528,7 +526,6 @@ def main(args) -> int:
     n_full = annotate(points, profile, args.seed)
     result = {
         "replay": {"targets": "replay (remote targets emulated; the draft server is real)",
-                   "host_wrapper": harness.APART,  # else a busy server starves the emulated hosts
                    "recording": inputs.recording_file, "latency_profile": inputs.latency.to_json()},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": profile.to_json(), "service_sweep_ms": service, "acceptance_tokens": tokens,

@@ -170,9 +170,7 @@ class RemoteDrafter:
         # server drafts on the cores this target verifies on: a draft asked ahead would then be
         # computed during the target's own pass, each slowing the other (on 2 cores, a target and a
         # server at 2 threads each), and the two take turns instead, as a co-located pair does.
-        # A target said to stand for a host of its own (cohosted False: a replay target, a server on a core of
-        # its own) never shares cores with its server, whatever this process's affinity shows.
-        self.asynchronous = self._cohosted is False or not shares_cores(self.client.address, torch.get_num_threads())
+        self.asynchronous = not shares_cores(self.client.address, torch.get_num_threads())
         # A server on this host drafts on the cores its targets verify on, whatever the threads: what
         # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
         # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
