@@ -114,7 +114,7 @@ class DraftServer:
         # where a tiny model's noise hides the difference
         short, long = (self._first_draft_ms(n) for n in (self.WARM_PROMPT // 8, self.WARM_PROMPT))
         extra = (long - short) / (self.WARM_PROMPT - self.WARM_PROMPT // 8)
-        self.stats.ingested(extra if extra > 0 else long / self.WARM_PROMPT, 1)
+        self.stats.ingested(extra if extra > 0 else long / self.WARM_PROMPT)
         log.info("draft server %s: %.1f ms a drafted level, %.2f ms a prompt token, warmed up", self.name,
                  self.stats.level_ms(), self.stats.ingest_ms())
 

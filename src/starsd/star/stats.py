@@ -74,10 +74,10 @@ class ServerStats:
             with self.lock:
                 self.levels.append(ms / levels / size)
 
-    def ingested(self, ms: float, tokens: int) -> None:
-        """One stream's `tokens` prompt tokens took `ms` to ingest (its draft's levels left out)."""
+    def ingested(self, ms_per_token: float) -> None:
+        """What one prompt token took to ingest, as the warm-up measured it."""
         with self.lock:
-            self._ingest_ms = max(0.0, ms) / max(1, tokens)
+            self._ingest_ms = max(0.0, ms_per_token)
 
     def ingest_ms(self) -> float:
         """What ingesting one token of a stream it does not hold costs the server (0: not measured)."""
