@@ -678,3 +678,20 @@ def test_each_draft_stops_where_the_policy_says_unless_told_to_stop_at_min_path_
         assert gen.token_ids == target_only(tiny_target, prompt, 24, SamplingConfig()).token_ids
         told, chosen = zip(*stops)
         assert told == (chosen if auto else (0.3,) * len(told)) and policy.stops == auto
+
+
+def test_a_look_at_a_server_too_slow_to_pay_is_asked_ahead_not_waited_for():
+    """A stream decoding alone, its drafts right for three tokens, 100 ms a token alone, at a server
+    whose own time on a request is 2 s (a queue behind 31 other targets): even a perfect draft waited
+    for that long loses, so no step waits for a look; each look is a draft asked ahead instead, and
+    its reply tells whether the server has freed up. With the server at 0 ms, looks are waited for."""
+    policy = learnt(right=3)
+    policy.server_ms = 2000.0
+    chosen, asked = [], []
+    for _ in range(300):
+        chosen.append(policy.choose(8))
+        asked.append(policy.ahead(8, 1.0, server_ms=2000.0) if not chosen[-1] else 0)
+        policy.observe(0, 0, None, 1, 100.0)
+    assert not any(chosen) and sum(bool(a) for a in asked) >= 4
+    policy.server_ms = 0.0
+    assert any(policy.choose(8) for _ in range(300))

@@ -160,6 +160,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     def pick(budget: int) -> int:  # at most budget tokens come out: budget-1 drafted + 1
         if policy:  # what the drafter lacks of the stream: its next draft ingests that first
             policy.unsent = len(new_tokens) if policy.holds else len(prompt_ids) + produced
+            policy.server_ms = drafter.server_ms
         return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
 
     def shaped() -> DraftConfig:  # this step's draft: with auto_stop, its chain stops where the policy's costs say

@@ -277,6 +277,9 @@ class DepthPolicy:
     unsent: int = 0  # tokens of the stream the drafter does not hold: the prompt until its first draft, then
     # those decoded alone since the last one (spec/decode.py sets it before each choice)
     ingest_ms: float = 0.0  # the drafter's time to ingest one such token (0: not known; the drafter says it)
+    server_ms: float = 0.0  # a remote server's own time on a request (queue and draft), as its replies say
+    # (spec/decode.py sets it before each choice)
+    probe: int = 0  # a look at drafting to ask ahead at this step instead of waiting for it (choose, ahead)
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -376,12 +379,16 @@ class DepthPolicy:
         this stream commit so many tokens alone that no part of the deepest draft would still pay,
         asking only loads a saturated server with drafts nobody takes. Such steps ask only now and
         then (`explore` steps apart, twice as far after each such ask, up to 8 x explore), so that a
-        server that catches up is noticed."""
+        server that catches up is noticed; and so does a look at drafting (choose) that the server's
+        wait would not let pay (`probe`)."""
+        cap = min(limit, self.max_depth)
+        behind = max(1, math.ceil(behind))
+        if self.probe:  # a look that a wait at this server could not pay for (choose): asked ahead
+            look, self.probe = self.probe, 0
+            return min(look + behind, cap)
         best = self.deepest(limit, self.asked_ahead)
         if not best:
             return 0
-        cap = min(limit, self.max_depth)
-        behind = max(1, math.ceil(behind))
         if not self.deepest(cap - max(behind, math.ceil(server_ms / max(self.verify_ms(1), 1e-6))), self.asked_ahead):
             self.late_asks += 1
             if self.late_asks < self.explore << min(self.late_probes, 3):
@@ -392,18 +399,17 @@ class DepthPolicy:
         self.late_asks = self.late_probes = 0
         return min(best + behind, cap)
 
-    def could_pay(self, d: int) -> bool:
+    def could_pay(self, d: int, wait_ms: float = 0.0) -> bool:
         """Whether a draft d deep could beat decoding alone at all: every drafted token accepted and
-        no wait for it, only a co-hosted server's compute. A look at a depth that could not only
+        no wait for it but `wait_ms`, only a co-hosted server's compute. A look at a depth that could not only
         measures a loss (on one core of this CPU, a llama.cpp target scored 2 tokens in 119 ms
-        against 51 for one: no draft of one token pays there, whatever its acceptance). A server's
-        wait is left out: a server that was slow may have freed up, and a look is how a stream finds
-        out. A drafter in this process (`inline`) has no wait but its compute, the same at every
+        against 51 for one: no draft of one token pays there, whatever its acceptance). A drafter
+        in this process (`inline`) has no wait but its compute, the same at every
         look: it counts (co-located with a llama.cpp target on 2 cores here, the 0.5B draft costs
         about 40 ms a level against 45 for the target's token; each look, with the drafter's catch-up
         of the tokens decoded alone, cost a 64-token answer some 4% of its time, by a trace's figures)."""
         compute = self.share_ms(d) + self.taken(d) if self.cohosted else self.draft_ms(d) if self.inline else 0.0
-        return (1.0 + d) / max(compute + self.verify_ms(d + 1), 1e-6) > self.rate(0)
+        return (1.0 + d) / max(compute + wait_ms + self.verify_ms(d + 1), 1e-6) > self.rate(0)
 
     def catch_up_pays(self, d: int, tokens: int) -> bool:
         """Whether a draft d deep pays back the drafter's catching up on the tokens it does not hold,
@@ -476,7 +482,13 @@ class DepthPolicy:
                 look = max(range(1, limit + 1), key=self.rate)
                 if self.could_pay(look) and (self.holds or not self.cohosted) and self.catch_up_pays(look, tokens):
                     self.idle_looks += 1
-                    best = look  # where chains stop themselves too: a look costs less the shallower it is
+                    if self.inline or self.could_pay(look, self.server_ms):
+                        best = look  # where chains stop themselves too: a look costs less the shallower it is
+                    else:  # a server whose own time on a request (its queue) loses even a perfect draft:
+                        self.probe = look  # the look is asked ahead (ahead), and its reply tells whether the
+                        # server has freed up. Waited for, such looks had a saturated server's streams wait up
+                        # to deadline_ms: 32 replay targets on an AMX Xeon decoded at 0.79x alone, a step's
+                        # p50 198 ms but its p99 2.3 s (a queue of 1.2 s and 1.7 s of service)
             elif self.verify_ms.measured(1) < 3 or self.verify_ms.stale(1):  # decoding alone, to compare
                 best = 0  # with: measured little yet, or long ago (one-token passes slowed by a draft computed
                 # beside them, then never measured again while drafting, could keep a stream drafting at a loss)
@@ -517,7 +529,7 @@ class DepthPolicy:
         draft lost with a dead server is no sign of a slow one); the new server's figure per level
         (0: unknown) stands in until its drafts are measured."""
         self.draft_ms, self.share_ms = server_costs()
-        self.paused = self.misses = self.late_asks = self.late_probes = 0
+        self.paused = self.misses = self.late_asks = self.late_probes = self.probe = 0
         self.holds = False
         self.server_prior(level_ms)
 
