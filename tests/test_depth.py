@@ -695,3 +695,18 @@ def test_a_look_at_a_server_too_slow_to_pay_is_asked_ahead_not_waited_for():
     assert not any(chosen) and sum(bool(a) for a in asked) >= 4
     policy.server_ms = 0.0
     assert any(policy.choose(8) for _ in range(300))
+
+
+def test_a_stream_that_joins_a_saturated_server_does_not_wait_for_its_drafts():
+    """A new stream (its draft cost a prior of 34 ms a level, the server's unloaded figure) at a
+    server whose requests wait 3 s (32 replay targets on an AMX Xeon): even a perfect draft waited
+    for that long loses to decoding alone at 200 ms a token, so no step waits for one (each of the
+    first five had waited 0.7 to 2.3 s for a draft that never came in time). At a server answering
+    in 300 ms the same stream drafts."""
+    def stream(server_ms: float) -> list[int]:
+        policy = DepthPolicy(10, explore=16, verify_ms=measured_table({1: 200, 11: 230}))
+        policy.server_prior(34.0)
+        policy.server_ms = server_ms
+        return [policy.choose(63) for _ in range(64)]
+
+    assert not any(stream(3000.0)) and sum(map(bool, stream(300.0))) > 32

@@ -435,6 +435,36 @@ def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(
     busy.close()
 
 
+def test_welcome_and_pongs_say_how_long_the_servers_requests_wait_lately(make_server):
+    """A stream that joins a server, or asks for no draft, knows from the server's word how long a
+    draft would take to come (arrival to reply: queue and draft), and its drafter takes it as the
+    server's time until its own replies say longer (spec/depth.py decodes alone where even a perfect
+    draft waited for that long loses)."""
+    server, address = make_server()
+    fresh = DraftClient(address, FP, "fresh", timeout_s=10, heartbeat_s=0.05)
+    fresh.hello()
+    assert fresh.wait_ms == 0.0 and server.stats.wait_ms() == -1.0  # no request answered yet
+    busy = client(address)
+    busy.draft([1, 2, 3], 5, *CHAIN)
+    for t in range(4, 8):
+        busy.draft([t], 5)
+    said = server.stats.wait_ms()
+    assert said > 0
+    quiet = DraftClient(address, FP, "quiet", timeout_s=10, heartbeat_s=0.05)
+    quiet.hello()
+    assert quiet.wait_ms == said  # its Welcome's
+    drafter = RemoteDrafter(quiet)
+    assert drafter.server_ms == said and drafter.reply_ms == 0.0
+    drafter.reply_ms = said + 500.0
+    assert drafter.server_ms == said + 500.0  # its own replies, where they say longer
+    deadline = time.monotonic() + 5
+    while fresh._heartbeat.wait_ms < 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fresh.wait_ms == said  # a Pong's, for the session that opened before any reply
+    for c in (fresh, busy, quiet):
+        c.close()
+
+
 def test_welcome_and_pongs_count_the_targets_on_the_servers_host(make_server):
     """Each Welcome, and every Pong after, says how many of the server's sessions are of targets on its
     own host (here all: loopback): a co-hosted stream's draft takes its compute from each of them

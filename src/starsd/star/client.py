@@ -121,6 +121,7 @@ class DraftClient:
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
         self._welcome_level_ms = 0.0  # the server's time per drafted level, as its Welcome said (0: unknown)
+        self._welcome_wait_ms = -1.0  # the server's recent time on a request, as its Welcome said (-1: unknown)
         self.ingest_ms = 0.0  # the server's time to ingest a token of a stream it does not hold, as its Welcome said
         self._welcome_local = -1  # the server's sessions of targets on its host, as its Welcome said (-1: not said)
         self.hello_at = time.monotonic()  # when the last Hello went out
@@ -158,6 +159,7 @@ class DraftClient:
             self._judged = self.loads.rounds + 2
             self._uneven = None
         self._welcome_level_ms = welcome.level_ms
+        self._welcome_wait_ms = welcome.wait_ms
         self.ingest_ms = welcome.ingest_ms
         self._welcome_local = welcome.local
         if self.heartbeat_s > 0:
@@ -196,6 +198,13 @@ class DraftClient:
         else as the Welcome did (0: unknown)."""
         beat = self._heartbeat
         return beat.level_ms if beat is not None and beat.level_ms > 0 else self._welcome_level_ms
+
+    @property
+    def wait_ms(self) -> float:
+        """The server's recent time on a request, arrival to reply, as the heartbeat's last Pong said,
+        else as the Welcome did (0: unknown)."""
+        beat = self._heartbeat
+        return max(0.0, beat.wait_ms if beat is not None and beat.wait_ms >= 0 else self._welcome_wait_ms)
 
     @property
     def local_sessions(self) -> int:
@@ -398,6 +407,7 @@ class Heartbeat(threading.Thread):
         self.session_gone = False  # a Pong said the server does not hold session `tag` (restarted, or freed it)
         self.level_ms = 0.0  # the server's time per drafted level, as its last Pong said (0: none said it yet)
         self.local = -1  # the server's sessions of targets on its host, as its last Pong said (-1: none said it yet)
+        self.wait_ms = -1.0  # the server's recent time on a request, as its last Pong said (-1: none said it yet)
 
     def silent_s(self) -> float:
         """Seconds since the server last answered a ping (or since the heartbeat started, plus
@@ -428,6 +438,8 @@ class Heartbeat(threading.Thread):
                         self.level_ms = msg.level_ms
                     if msg.local >= 0:
                         self.local = msg.local
+                    if msg.wait_ms >= 0:
+                        self.wait_ms = msg.wait_ms
         finally:
             sock.close(0)
 

@@ -41,10 +41,11 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 7  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+PROTOCOL_VERSION = 8  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
 # travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
 # level_ms; 5: and its sessions of targets on its own host (`local`); 6: a draft request may say where its chain
-# stops (`stop`: the stream's depth policy chooses it per step); 7: Welcome says the server's ingest_ms
+# stops (`stop`: the stream's depth policy chooses it per step); 7: Welcome says the server's ingest_ms; 8: Welcome
+# and Pong say its wait_ms
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -125,6 +126,9 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     ingest_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's time to ingest one token of a
     # stream it does not hold (a prompt), as its warm-up measured (0: not measured): what a stream's first draft
     # costs beyond its levels (spec/depth.py, `unsent`)
+    wait_ms: Annotated[float, msgspec.Meta(ge=-1.0, le=1e9)] = -1.0  # the server's recent time on a request, from its
+    # arrival to its reply (queue and draft; ServerStats.wait_ms; -1: none answered yet): a stream that joins a
+    # saturated server knows at once that a draft waited for comes too late (spec/depth.py, `server_ms`)
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -175,6 +179,8 @@ class Pong(msgspec.Struct, array_like=True, frozen=True):
     sessions: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # the sessions a draft server holds (-1: not
     # said): its load, by which a target given several servers places its session (star/placement.py)
     local: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # of them, those of targets on its host, as in Welcome
+    wait_ms: Annotated[float, msgspec.Meta(ge=-1.0, le=1e9)] = -1.0  # as in Welcome, kept fresh: a stream that asks
+    # for no draft (none pays while the server is saturated) still knows when it has caught up
 
 
 class StatsRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -230,7 +230,7 @@ class DraftServer:
                 s = self.sessions.open(req.peer, msg, req.user, req.local)
                 self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps,
                                                       self.stats.level_ms(), self.sessions.local(),
-                                                      self.stats.ingest_ms()))
+                                                      self.stats.ingest_ms(), self.stats.wait_ms()))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:
@@ -310,6 +310,7 @@ class DraftServer:
                              P.specs(*tensors))
         self._outbox.send(s.peer, reply, tuple(tensors))
         self.stats.count("replies")
+        self.stats.replied(reply.queue_ms + reply.service_ms)
 
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()

@@ -41,6 +41,7 @@ class ServerStats:
         self.work: collections.Counter = collections.Counter()
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
         self.levels: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step batches
+        self.waits: collections.deque = collections.deque(maxlen=33)  # ms from arrival to reply of recent requests
         self._ingest_ms = 0.0  # ms to ingest one token of a new stream, as the warm-up measured (0: not yet)
 
     def count(self, name: str, n: int = 1) -> None:
@@ -73,6 +74,17 @@ class ServerStats:
         if levels > 0:
             with self.lock:
                 self.levels.append(ms / levels / size)
+
+    def replied(self, ms: float) -> None:
+        """A request was answered `ms` after it arrived (its queue and its draft)."""
+        with self.lock:
+            self.waits.append(ms)
+
+    def wait_ms(self) -> float:
+        """The median of recent requests' time from arrival to reply (-1: none answered yet): what a new
+        request waits for its draft, whoever asks it."""
+        with self.lock:
+            return statistics.median_high(self.waits) if self.waits else -1.0
 
     def ingested(self, ms_per_token: float) -> None:
         """What one prompt token took to ingest, as the warm-up measured it."""

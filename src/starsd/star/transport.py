@@ -139,7 +139,8 @@ class Transport:
             self.stats.error("internal")
             return answer(P.Error("internal", str(e)[:200]))
         if isinstance(msg, P.Ping):
-            return answer(P.Pong(msg.tag, msg.sent, self.on_ping(msg.tag), self.stats.level_ms(), *self.sessions()))
+            return answer(P.Pong(msg.tag, msg.sent, self.on_ping(msg.tag), self.stats.level_ms(), *self.sessions(),
+                                 self.stats.wait_ms()))
         if isinstance(msg, P.StatsRequest):
             return answer(P.Stats(self.stats_json()))
         if not isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):
