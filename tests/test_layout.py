@@ -19,9 +19,10 @@ ALLOWED = {  # part -> the parts it may import besides itself
     "star": BASE | {"spec", "models"},
     "emulate": BASE | {"theory", "spec", "models", "star"},
     "serve": BASE | {"star"},  # the HTTP gateway: talks to target servers over the star's wire
-    "bench": BASE | {"theory", "spec", "models", "star", "emulate", "serve"},
+    "vllm": BASE | {"spec", "models", "star"},  # the proposer plug-in an unmodified vLLM drafts with
+    "bench": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "vllm"},
     "train": BASE | {"spec", "models"},  # training drafters offline: EAGLE heads on the target's features
-    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "bench", "train"},
+    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "bench", "train", "vllm"},
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 from starsd.errors import SettingError
@@ -376,3 +377,33 @@ def to_flags(cfg, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
 
 def _dest(prefix: str, name: str) -> str:
     return (prefix + name).replace("-", "_")
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """How a vLLM instance drafts on the star (starsd.vllm): vLLM's speculative config names the
+    proposer and its depth, and has no field for anything else, so these come from the environment
+    of the `vllm serve` (or `LLM(...)`) process, each as STARSD_<FIELD> (STARSD_CONNECT=...)."""
+
+    connect: str = setting("", "the draft server's address (tcp://HOST:PORT), or several comma-separated")
+    curve_key: str = setting("", "this target's secret key file (starsd keys), to authenticate to the draft server")
+    curve_server_key: str = setting("", "the draft server's public key file (its NAME.key)")
+    timeout_s: float = setting(30.0, "a draft request with no reply this long counts the server as gone")
+    idle_s: float = setting(60.0, "a request's session unseen this long is closed (vLLM says nothing when one ends)")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "ProposerSettings":
+        env = os.environ if env is None else env
+        given = {}
+        for f in dataclasses.fields(cls):
+            value = env.get(f"STARSD_{f.name.upper()}")
+            if value is not None:
+                given[f.name] = type(f.default)(value)
+        settings = cls(**given)
+        if not settings.connect:
+            raise SettingError("STARSD_CONNECT: the draft server's address (tcp://HOST:PORT) is not set")
+        return settings
+
+    @property
+    def keys(self) -> ClientKeys:
+        return ClientKeys(self.curve_key, self.curve_server_key)

@@ -1,0 +1,224 @@
+"""StarSD as vLLM's drafter: a proposer for vLLM's `custom_class` speculative method (vLLM 0.32 and
+0.33), whose drafts come from a StarSD draft server. vLLM verifies them itself, exactly: greedy, a
+drafted token must be the target's argmax; sampled, one drafted without probabilities is accepted
+with the target's probability of it and, if not, a token is drawn from the target with it masked
+out. So whatever the server drafts, vLLM's output is its own.
+
+    STARSD_CONNECT=tcp://draft-host:5555 vllm serve MODEL --speculative-config \\
+        '{"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": 4}'
+
+Each vLLM request is a session on the draft server (rows.py tells them apart), drafting as a target
+server's stream does: its depth chosen each step from measured costs (spec/depth.py), drafts asked
+ahead of the step that uses them where the server is on another host, several servers with
+failover, CurveZMQ keys (config.ProposerSettings). It fails open: a draft server that is slow, gone
+or refuses gives empty drafts for that step, and vLLM decodes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from starsd.config import DraftConfig, ProposerSettings, SamplingConfig
+from starsd.models.loading import vocab_fingerprint
+from starsd.spec.depth import DepthPolicy
+from starsd.spec.tree import DraftTree
+from starsd.star.client import DraftClient, for_target
+from starsd.star.remote_drafter import RemoteDrafter, RemoteSequence
+from starsd.vllm.rows import claim
+
+log = logging.getLogger("starsd.vllm")
+
+GREEDY = SamplingConfig()  # drafts are proposals: vLLM's own sampling verifies them at any temperature
+
+
+@dataclass
+class Stream:
+    """One request's draft session: its connection, its place on the server and its depth policy (kept
+    for the next request the session serves, so what it learnt of the costs carries over)."""
+
+    drafter: RemoteDrafter
+    policy: DepthPolicy
+    seq: RemoteSequence | None = None  # None: no request yet
+    held: list[int] = field(default_factory=list)  # the committed tokens it was last given
+    row: int = -1  # its row at the last step
+    seen: float = 0.0  # when a row last took it (monotonic s)
+    step: int = 0  # the propose() call at which a row last took it
+    asked: int = 0  # the depth of the draft it gave vLLM at its last step (0: none)
+    asked_for: int | None = None  # the depth it waited for then (None: a draft asked earlier, or none)
+    draft_ms: float | None = None  # that wait
+
+
+@dataclass
+class Step:
+    """What one propose() call did, for a benchmark's account: per row, the depth proposed."""
+
+    rows: int = 0
+    drafted: list[int] = field(default_factory=list)
+    wait_ms: float = 0.0
+
+
+class Proposer:
+    """vLLM's custom_class proposer (vLLM builds it as cls(vllm_config) in its model runner)."""
+
+    def __init__(self, vllm_config, settings: ProposerSettings | None = None, tokenizer=None):
+        self.settings = settings or ProposerSettings.from_env()
+        spec = vllm_config.speculative_config
+        model = vllm_config.model_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_len = int(model.max_model_len)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+        self.fingerprint = vocab_fingerprint(tokenizer, model.get_vocab_size())
+        self.cfg = DraftConfig(depth=self.k)
+        self.streams: list[Stream] = []
+        self.step = 0  # propose() calls so far
+        self.returned: float | None = None  # when the last propose() returned (perf_counter s)
+        self.steps: list[Step] = []  # the last few calls (bench vllm reads them)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM's CPU runner calls it for every proposer: the model is on the draft server."""
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
+        """Drafts for each row, at most k tokens each (empty: that row decodes alone this step).
+        sampled_token_ids[i]: the tokens row i committed this step (its accepted drafts and one
+        more; empty: a row still in its prefill, skipped); token_ids_cpu[i, :num_tokens_no_spec[i]]:
+        its committed tokens, those included."""
+        started = time.perf_counter()
+        self.step += 1
+        step_ms = (started - self.returned) * 1e3 if self.returned is not None else None
+        rows = {i: token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
+                for i, sampled in enumerate(sampled_token_ids) if len(sampled)}
+        taken = self._take(rows)
+        for i, stream in taken.items():
+            if stream.asked or stream.asked_for == 0:
+                self._observe(stream, len(sampled_token_ids[i]) - 1, step_ms)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        waits = {}
+        for i, stream in taken.items():  # every request goes out before any reply is waited for
+            limit = min(self.k, self.max_len - len(rows[i]) - 1)
+            drafts[i], waits[i] = self._ask(stream, rows[i], limit)
+        for i, deadline_ms in waits.items():
+            if deadline_ms is not None:
+                drafts[i] = self._wait(taken[i], deadline_ms, started)
+        self._close_idle()
+        self.returned = time.perf_counter()
+        self.steps = self.steps[-255:] + [Step(len(taken), [len(d) for d in drafts],
+                                               (self.returned - started) * 1e3)]
+        return drafts
+
+    def _take(self, rows: dict[int, list[int]]) -> dict[int, Stream]:
+        """Row -> its stream (a new request gets a free session, or a new one)."""
+        now = time.monotonic()
+        live = {s: st for s, st in enumerate(self.streams) if st.seq is not None}  # (a new session's: None)
+        claims = claim(rows, {s: st.held for s, st in live.items()}, {s: st.row for s, st in live.items()})
+        taken = {c.row: self.streams[c.stream] for c in claims if c.stream is not None}
+        busy = set(map(id, taken.values()))
+        for c in claims:
+            if c.stream is None:
+                # a session whose request no row has taken for two steps (finished, or preempted: it
+                # comes back as a new request), else a new one
+                stream = next((st for st in self.streams if id(st) not in busy
+                               and self.step - st.step >= 2), None) or self._open()
+                stream.seq = stream.drafter.start(rows[c.row])  # a reset: the whole prefix with the next request
+                stream.held = []
+                stream.asked = 0
+                stream.asked_for = None
+                busy.add(id(stream))
+                taken[c.row] = stream
+        for i, stream in taken.items():
+            stream.row = i
+            stream.seen = now
+            stream.step = self.step
+        return taken
+
+    def _open(self) -> Stream:
+        name = f"vllm-{len(self.streams)}"
+        client = DraftClient(for_target(self.settings.connect, len(self.streams)), self.fingerprint, name,
+                             timeout_s=self.settings.timeout_s, keys=self.settings.keys)
+        client.try_hello(wait_s=0.5)  # a server that is away: the session opens later (RemoteDrafter)
+        stream = Stream(RemoteDrafter(client), DepthPolicy(self.k))
+        stream.policy.server_prior(stream.drafter.level_ms)
+        self.streams.append(stream)
+        return stream
+
+    def _observe(self, stream: Stream, accepted: int, step_ms: float | None) -> None:
+        """The last step's outcome: vLLM verified its draft (asked tokens, `accepted` of them taken)
+        in the step's time since propose() last returned (its pass over the whole batch)."""
+        if step_ms is not None:
+            stream.policy.observe(stream.asked, min(accepted, stream.asked), stream.draft_ms, stream.asked + 1,
+                                  step_ms, asked=stream.asked_for)
+
+    def _ask(self, stream: Stream, tokens: list[int], limit: int) -> tuple[list[int], float | None]:
+        """This step's request of one stream, sent without waiting: (a draft already here, or []; the
+        deadline to wait for one, None: not waited for)."""
+        policy, drafter, seq = stream.policy, stream.drafter, stream.seq
+        new = tokens[len(seq.tokens):]
+        stream.held = tokens
+        policy.unsent = len(new) if policy.holds else len(tokens)
+        policy.server_ms = drafter.server_ms
+        policy.neighbours = drafter.neighbours
+        policy.cohosted = drafter.cohosted
+        policy.inline = not drafter.asynchronous
+        depth = policy.choose(limit) if limit > 0 else 0
+        ahead = policy.ahead(limit, drafter.lateness, drafter.server_ms) if not depth and drafter.asynchronous else 0
+        stream.asked = 0
+        stream.asked_for = None
+        stream.draft_ms = None
+        if not depth and not ahead:
+            seq.tokens.extend(new)
+            drafter.keep_up(seq)
+            stream.asked_for = 0
+            return [], None
+        tree = drafter.propose(seq, new, self.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0)
+        policy.holds = True
+        if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
+            return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
+        return [], (policy.deadline_ms(depth) if depth else None)
+
+    def _wait(self, stream: Stream, deadline_ms: float, started: float) -> list[int]:
+        """The reply to this step's request, waited for until its deadline (counted from the step's start)."""
+        left = max(0.0, deadline_ms - (time.perf_counter() - started) * 1e3)
+        depth = stream.policy.chosen
+        tree = stream.drafter.propose(stream.seq, [], self.cfg, GREEDY, max_depth=depth, deadline_ms=left)
+        waited = (time.perf_counter() - started) * 1e3
+        if not len(tree):
+            if waited >= deadline_ms:
+                stream.policy.missed(depth, waited)
+            return []
+        return self._give(stream, tree, depth, waited)
+
+    def _give(self, stream: Stream, tree: DraftTree, depth: int, waited_ms: float | None) -> list[int]:
+        chain = chain_of(tree.truncate(depth))
+        stream.asked = len(chain)
+        stream.asked_for = depth if waited_ms is not None else None
+        stream.draft_ms = waited_ms
+        return chain
+
+    def _close_idle(self) -> None:
+        """Sessions of requests unseen for idle_s (finished: vLLM says nothing) are closed on the server."""
+        now = time.monotonic()
+        for stream in self.streams:
+            if now - stream.seen > self.settings.idle_s:
+                stream.drafter.client.close()
+        self.streams = [st for st in self.streams if now - st.seen <= self.settings.idle_s]
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.drafter.client.close()
+        self.streams = []
+
+
+def chain_of(tree: DraftTree) -> list[int]:
+    """A draft's first chain: from the root, each node's first child, as deep as it goes."""
+    chain, parent = [], -1
+    for node, p in enumerate(tree.parents.tolist()):
+        if p == parent:
+            chain.append(int(tree.tokens[node]))
+            parent = node
+    return chain
