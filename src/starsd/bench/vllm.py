@@ -1,0 +1,324 @@
+"""vLLM as a person who serves with it would meet StarSD: vLLM decoding alone, vLLM's own draft-model
+speculation, and vLLM with StarSD's drafts (starsd.vllm.Proposer), side by side in one run, each a
+fresh vLLM engine (bench/vllm_engine.py, in the vLLM environment) on the same prompts.
+
+Modes:
+- `alone`: vLLM target-only;
+- `vllm-draft-K`: vLLM's own speculation with the 0.5B draft in its process, K tokens a step;
+- `star-cohosted`: StarSD's drafts from a real draft server on the same 2 cores;
+- `star-remote`: from a draft host of its own, emulated (emulate/draft_host.py: a draft server answering
+  from a recording of the real draft model's drafts below each prompt's target-only greedy output, each
+  after the real drafter's measured time on both cores, the target idle); greedy only (a sampled
+  stream leaves the recorded outputs);
+- `star-remote-x2` and `vllm-draft-4-x2`: two vLLM instances at once, sharing that draft host, or each
+  with its own co-located draft;
+- `hetero`: one real draft server serving, at once, a vLLM instance (the plug-in) and a llama.cpp
+  target (`starsd target`, one thread), greedy; each checked against its own engine decoding alone.
+
+Each mode's greedy output is compared with `alone`'s. The bound for `star-remote`: from the recording
+and vLLM's cost of a pass of k tokens (measured here: `alone` is one token a pass, `oracle-K` a perfect
+draft of K tokens a pass, its tokens from `alone`'s output), a greedy decode of each prompt with the
+recorded chains cut to a fixed depth, drafts free: the most that these drafts allow on this engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from starsd import config as C
+from starsd.bench.vllm_runs import run_engine, vllm_python
+from starsd.prompts import load as load_prompts
+from starsd.results import bar_panels, summary, write_json
+
+MODES = ("alone", "vllm-draft-2", "vllm-draft-4", "star-cohosted", "star-remote", "star-remote-x2",
+         "vllm-draft-4-x2", "oracle-2", "oracle-4", "hetero")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
+    p.add_argument("--offset", type=int, default=20, help="first prompt of the set (the depth policy was tuned "
+                   "on the first 16 HumanEval prompts: these are others)")
+    p.add_argument("--limit", type=int, default=3, help="prompts")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens each prompt decodes (EOS ignored)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the StarSD modes")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--temperatures", default="0,0.7", help="comma-separated; star-remote and the oracles run greedy only")
+    p.add_argument("--vllm-python", default="", help="the vLLM environment's python (default: make vllm's)")
+    p.add_argument("--json-out", default="results/vllm.json", help="results as JSON here, the plot (PNG) beside it")
+    C.add_flags(p, C.PairConfig)
+
+
+class Bench:
+    def __init__(self, args, pair: C.PairConfig, python: str, log: str):
+        from starsd.models import pinned
+        from starsd.models.loading import load_tokenizer
+
+        self.args = args
+        self.pair = pair
+        self.python = python
+        self.log = log
+        self.target = str(pinned.model_dir(pair.target, pair.cache)) if pair.target in pinned.PINNED else pair.target
+        self.draft = str(pinned.model_dir(pair.draft, pair.cache)) if pair.draft in pinned.PINNED else pair.draft
+        tokenizer = load_tokenizer(pair.target, pair.cache)
+        prompts = load_prompts(args.prompts)[args.offset:args.offset + args.limit]
+        self.prompt_ids = [p.encode(tokenizer) for p in prompts]
+        self.prompt_names = [p.id for p in prompts]
+        self.stats_files: list[str] = []  # the plug-in's counters, of the engines star() runs now
+
+    def run(self, temperature: float, speculative: dict | None = None, proposer: C.ProposerSettings | None = None,
+            env: dict[str, str] | None = None) -> dict:
+        run = {"model": self.target, "dtype": C.resolve_dtype(self.pair.dtype, "cpu"), "prompts": self.prompt_ids,
+               "max_tokens": self.args.max_tokens, "temperature": temperature, "seed": 0, "ignore_eos": True,
+               "speculative": speculative, "max_num_seqs": max(4, len(self.prompt_ids)),
+               "logprobs": 2 if speculative is None and temperature == 0 else 0}
+        return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env=env)
+
+    def star(self, temperature: float, address: str, instances: int = 1) -> list[dict]:
+        """`instances` vLLM engines at once, each with StarSD's drafts from `address`; each's result with
+        the plug-in's counters and the server's utilisation over the run."""
+        from starsd.star.client import query_stats
+
+        spec = {"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": self.args.k}
+        results: list[dict] = [{} for _ in range(instances)]
+        stats_files = [tempfile.mktemp(suffix=".json") for _ in range(instances)]
+        self.stats_files = stats_files
+
+        def one(i: int) -> None:
+            proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i])
+            results[i] = self.run(temperature, spec, proposer)
+
+        before = query_stats(address) or {}
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(instances)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = query_stats(address) or {}
+        busy = after.get("busy_s", 0.0) - before.get("busy_s", 0.0)
+        wall = after.get("uptime_s", 0.0) - before.get("uptime_s", 0.0)
+        for r, f in zip(results, stats_files):
+            r["plugin"] = json.loads(Path(f).read_text()) if Path(f).is_file() else {}
+            r["server_utilisation"] = busy / wall if wall > 0 else None
+            Path(f).unlink(missing_ok=True)
+        return results
+
+    def drafting(self) -> bool:
+        """Whether the plug-in of the last star() has been called (vLLM decodes)."""
+        return any(Path(f).is_file() for f in self.stats_files)
+
+    def own(self, temperature: float, k: int, instances: int = 1) -> list[dict]:
+        spec = {"method": "draft_model", "model": self.draft, "num_speculative_tokens": k}
+        results: list[dict] = [{} for _ in range(instances)]
+
+        def one(i: int) -> None:
+            results[i] = self.run(temperature, spec)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(instances)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+
+def main(args) -> int:
+    from starsd.bench.llamacpp import bound, record_drafts
+    from starsd.star.launch import start_server
+
+    pair = C.from_args(C.PairConfig, args)
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        raise C.SettingError(f"unknown mode(s) {', '.join(unknown)}: choose among {', '.join(MODES)}")
+    base = str(Path(args.json_out).with_suffix(""))
+    bench = Bench(args, pair, vllm_python(args.vllm_python), f"{base}-vllm.log")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    server_pair = dataclasses.replace(pair, threads=0, target_engine="transformers")  # the server reads only
+    # the target's tokenizer and width
+    out: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "cpu": cpu_kind(),
+                 "prompts": bench.prompt_names, "runs": {}}
+    runs = out["runs"]
+
+    def record(name: str, t: float, results: list[dict]) -> None:
+        key = f"{name}@{t:g}"
+        runs[key] = results
+        speed = ", ".join(f"{r['tokens_per_s']:.2f}" for r in results)
+        print(f"{key}: {speed} tokens/s", flush=True)
+
+    for t in temperatures:
+        record("alone", t, [bench.run(t)])
+        for k in (2, 4):
+            if f"vllm-draft-{k}" in modes:
+                record(f"vllm-draft-{k}", t, bench.own(t, k))
+        if "vllm-draft-4-x2" in modes:
+            record("vllm-draft-4-x2", t, bench.own(t, 4, instances=2))
+        if "star-cohosted" in modes:
+            star = start_server(server_pair, C.ServerConfig())
+            try:
+                record("star-cohosted", t, bench.star(t, star.address))
+            finally:
+                star.close()
+    greedy = runs.get("alone@0", [{}])[0]
+    remote = [m for m in ("star-remote", "star-remote-x2") if m in modes]
+    if remote and greedy:
+        paths = [(p, o) for p, o in zip(bench.prompt_ids, greedy["token_ids"])]
+        draft = C.DraftConfig(depth=max(args.k, 8))
+        rec_file = f"{base}-drafts.json"
+        out["recording"] = {"file": rec_file, "cost_ms": record_drafts(set(os.sched_getaffinity(0)), pair, draft,
+                                                                       paths, rec_file)}
+        star = start_server(server_pair, C.ServerConfig(), extra=["--recording", rec_file])
+        try:
+            for m in remote:
+                record(m, 0.0, bench.star(0.0, star.address, instances=2 if m.endswith("x2") else 1))
+        finally:
+            star.close()
+        oracles = {int(m.split("-")[1]): m for m in modes if m.startswith("oracle-")}
+        if oracles:
+            costs = {1: 1e3 / greedy["tokens_per_s"]}
+            for k, m in sorted(oracles.items()):
+                result = oracle_run(bench, greedy["token_ids"], k)
+                record(m, 0.0, [result])
+                costs[k + 1] = (k + 1) * 1e3 / result["tokens_per_s"]
+            out["bound"] = bound(rec_file, paths, fill(costs))
+    if "hetero" in modes and greedy:
+        star = start_server(server_pair, C.ServerConfig())
+        try:
+            out["hetero"] = hetero(bench, star.address, greedy)
+        finally:
+            star.close()
+        print(f"hetero: {out['hetero']['summary']}", flush=True)
+    out["checks"] = checks(runs)
+    out["figures"] = figures(runs)
+    write_json(args.json_out, out)
+    plot(f"{base}.png", out["figures"])
+    rows = [[key, f"{f['tokens_per_s']:.2f}", f"{f['vs_alone']:.2f}x", f.get("accepted_per_step"),
+             f.get("plugin_ms_per_step"), f.get("server_utilisation")] for key, f in out["figures"].items()]
+    summary("bench vllm", ["mode", "tokens/s", "vs alone", "accepted/step", "plug-in ms/step", "server busy"], rows,
+            {"cpu": out["cpu"], "greedy equal to alone": str(out["checks"]),
+             **({"bound (star-remote)": f"{out['bound']['speedup']:.2f}x alone"} if "bound" in out else {})},
+            {"json": args.json_out, "plot": f"{base}.png"})
+    return 0
+
+
+def oracle_run(bench: Bench, outputs: list[list[int]], k: int) -> dict:
+    """vLLM with perfect drafts of k tokens a step (bench/vllm_oracle.py: alone's own output): its cost of a
+    pass of k + 1 tokens."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([p + o for p, o in zip(bench.prompt_ids, outputs)], f)
+    try:
+        return bench.run(0.0, {"method": "custom_class", "model": "starsd.bench.vllm_oracle.Oracle",
+                               "num_speculative_tokens": k}, env={"STARSD_ORACLE": f.name})
+    finally:
+        os.unlink(f.name)
+
+
+def llama_target(args, address: str | None) -> subprocess.Popen:
+    """A llama.cpp target (`starsd target`, one thread) on the bench's prompts, greedy, with drafts from
+    `address` once a line comes on its stdin (None: alone, at once)."""
+    argv = [sys.executable, "-m", "starsd.cli", "target", "--prompts", args.prompts, "--offset", str(args.offset),
+            "--limit", str(args.limit), "--max-new-tokens", str(args.max_tokens), "--ignore-eos", "--json",
+            "--target-engine", "llamacpp", "--threads", "1", "--name", "llamacpp",
+            *(["--connect", address, "--wait-go"] if address else ["--no-spec"])]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def outputs(proc: subprocess.Popen) -> list[dict]:
+    out, _ = proc.communicate(timeout=3600)
+    return [json.loads(line) for line in out.splitlines() if line.startswith('{"target"')]
+
+
+def hetero(bench: Bench, address: str, alone: dict) -> dict:
+    """One draft server, a vLLM instance and a llama.cpp target drafting on it at once; then the
+    llama.cpp target alone. Each engine's greedy output against its own decoding alone."""
+    llama = llama_target(bench.args, address)
+    vllm: list[dict] = []
+    engine = threading.Thread(target=lambda: vllm.extend(bench.star(0.0, address)))
+    engine.start()
+    while engine.is_alive() and not bench.drafting():  # both decode at once: llama.cpp starts with vLLM's first step
+        time.sleep(0.2)
+    llama.stdin.write("go\n")
+    llama.stdin.flush()
+    engine.join()
+    vllm = vllm[0]
+    spec = outputs(llama)
+    plain = outputs(llama_target(bench.args, None))
+    same_llama = [a["token_ids"] == b["token_ids"] for a, b in zip(spec, plain)]
+    same_vllm = [a == b for a, b in zip(vllm["token_ids"], alone["token_ids"])]
+    return {"vllm": {"equal": same_vllm, "tokens_per_s": vllm["tokens_per_s"], "plugin": vllm.get("plugin")},
+            "llamacpp": {"equal": same_llama, "drafted_steps": [r.get("drafted_steps") for r in spec],
+                         "tokens_per_s": [r["tokens_per_s"] for r in spec],
+                         "alone_tokens_per_s": [r["tokens_per_s"] for r in plain]},
+            "summary": f"vLLM {sum(same_vllm)}/{len(same_vllm)} equal to vLLM alone, llama.cpp "
+                       f"{sum(same_llama)}/{len(same_llama)} equal to llama.cpp alone"}
+
+
+def fill(costs: dict[int, float]) -> dict[int, float]:
+    """Costs at every width from 1 to the widest measured, by straight lines between the measured ones."""
+    known = sorted(costs)
+    filled = {}
+    for w in range(1, known[-1] + 1):
+        lo = max(k for k in known if k <= w)
+        hi = min(k for k in known if k >= w)
+        filled[w] = costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (w - lo) / (hi - lo)
+    return filled
+
+
+def checks(runs: dict) -> dict:
+    """Each greedy mode's outputs against alone's: equal prompts, and each divergence's position with
+    alone's top-2 logprob margin there (a near-tie may round either way between vLLM's kernels)."""
+    ref = runs.get("alone@0", [{}])[0]
+    found = {}
+    for key, results in runs.items():
+        if not key.endswith("@0") or key == "alone@0" or key.startswith("oracle"):
+            continue
+        parts = []
+        for r in results:
+            for i, (got, want) in enumerate(zip(r["token_ids"], ref["token_ids"])):
+                at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+                if at is not None:
+                    top = ref["logprobs"][i][at]
+                    parts.append({"prompt": i, "at": at, "margin": top[0][1] - top[1][1] if len(top) > 1 else None})
+        found[key] = {"equal": sum(len(r["token_ids"]) for r in results) - len(parts), "divergences": parts}
+    return found
+
+
+def figures(runs: dict) -> dict:
+    out = {}
+    for key, results in runs.items():
+        t = key.split("@")[1]
+        alone = runs.get(f"alone@{t}", [{}])[0].get("tokens_per_s")
+        tps = sum(r["tokens_per_s"] for r in results) / len(results)  # per instance
+        f = {"tokens_per_s": tps, "vs_alone": tps / alone if alone else float("nan"), "instances": len(results)}
+        spec = [r.get("spec", {}) for r in results]
+        drafts = sum(s.get("spec_decode_num_drafts", 0) for s in spec)
+        if drafts:
+            f["accepted_per_step"] = round(sum(s.get("spec_decode_num_accepted_tokens", 0) for s in spec) / drafts, 2)
+        plugin = [r["plugin"] for r in results if r.get("plugin")]
+        if plugin:
+            calls = sum(p["calls"] for p in plugin)
+            f["plugin_ms_per_step"] = round(sum(p["ms"] for p in plugin) / max(1, calls), 1)
+            f["accepted_per_step"] = round(sum(p["accepted"] for p in plugin) / max(1, sum(p["rows"] for p in plugin)), 2)
+            f["drafted_share"] = round(sum(p["drafted"] for p in plugin) / max(1, sum(p["rows"] for p in plugin)), 2)
+            util = results[0].get("server_utilisation")
+            f["server_utilisation"] = None if util is None else round(util, 2)
+        out[key] = f
+    return out
+
+
+def plot(path: str, figs: dict) -> None:
+    bar_panels(path, [{"labels": list(figs), "values": [round(f["vs_alone"], 2) for f in figs.values()],
+                       "ylabel": "tokens/s per instance, x vLLM alone", "title": "vLLM with StarSD drafts"}])
+
+
+def cpu_kind() -> str:
+    from starsd.bench.llamacpp import cpu_kind as kind
+
+    return kind()

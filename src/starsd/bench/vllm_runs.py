@@ -1,0 +1,61 @@
+"""vLLM engines run from StarSD's own environment: each in a process of the vLLM environment
+(`make vllm`: .venv-vllm, vLLM's own transformers release), as bench vllm and the vLLM tests start them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from starsd.config import ProposerSettings
+from starsd.errors import SettingError
+
+VLLM_PYTHON = ".venv-vllm/bin/python"  # make vllm's, relative to the repository
+
+
+def vllm_python(given: str = "") -> str:
+    """The vLLM environment's interpreter: `given`, else $STARSD_VLLM_PYTHON, else make vllm's."""
+    path = given or os.environ.get("STARSD_VLLM_PYTHON") or VLLM_PYTHON
+    if not Path(path).is_file():
+        raise SettingError(f"no vLLM environment at {path}: `make vllm` builds one (or set STARSD_VLLM_PYTHON)")
+    return path
+
+
+def engine_env(python: str, proposer: ProposerSettings | None = None, kv_cache_gib: int = 2,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a vLLM engine runs in: its venv's Intel OpenMP preloaded (vLLM's CPU build asks for
+    it, or its speculation slows), a KV cache of `kv_cache_gib`, and the proposer's settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STARSD_") or k == "STARSD_CACHE"}
+    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = str(iomp)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if proposer is not None:
+        for name, value in vars(proposer).items():
+            env[f"STARSD_{name.upper()}"] = str(value)
+    return {**env, **(extra or {})}
+
+
+def run_engine(run: dict, python: str, proposer: ProposerSettings | None = None, timeout_s: float = 900,
+               log: str | None = None, env: dict[str, str] | None = None) -> dict:
+    """One vLLM engine's run (bench/vllm_engine.py: `run`'s fields), its result. `proposer`: where a
+    `starsd.vllm.Proposer` drafts. Its stderr goes to `log` (else is kept for the error)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(run, f)
+    try:
+        err = open(log, "a") if log else subprocess.PIPE
+        done = subprocess.run([python, "-m", "starsd.bench.vllm_engine", f.name], stdout=subprocess.PIPE,
+                              stderr=err, text=True, env=engine_env(python, proposer, extra=env), timeout=timeout_s)
+        if log:
+            err.close()
+    finally:
+        os.unlink(f.name)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        tail = done.stderr[-3000:] if done.stderr else f"(see {log})"
+        raise RuntimeError(f"the vLLM engine failed (exit {done.returncode}): {tail}")
+    return json.loads(lines[-1])
