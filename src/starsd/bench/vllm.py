@@ -51,7 +51,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="tokens each prompt decodes (EOS ignored)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the StarSD modes")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--temperatures", default="0,0.7", help="comma-separated; star-remote and the oracles run greedy only")
+    p.add_argument("--temperatures", default="0,0.7", help="comma-separated; star-remote, the oracles and hetero "
+                   "run greedy only")
+    p.add_argument("--sampled-modes", default="alone,vllm-draft-4,star-cohosted",
+                   help="the modes run at the temperatures above 0")
     p.add_argument("--vllm-python", default="", help="the vLLM environment's python (default: make vllm's)")
     p.add_argument("--json-out", default="results/vllm.json", help="results as JSON here, the plot (PNG) beside it")
     C.add_flags(p, C.PairConfig)
@@ -139,6 +142,7 @@ def main(args) -> int:
     if unknown := [m for m in modes if m not in MODES]:
         raise C.SettingError(f"unknown mode(s) {', '.join(unknown)}: choose among {', '.join(MODES)}")
     base = str(Path(args.json_out).with_suffix(""))
+    Path(base).parent.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, pair, vllm_python(args.vllm_python), f"{base}-vllm.log")
     temperatures = [float(t) for t in args.temperatures.split(",")]
     server_pair = dataclasses.replace(pair, threads=0, target_engine="transformers")  # the server reads only
@@ -154,13 +158,17 @@ def main(args) -> int:
         print(f"{key}: {speed} tokens/s", flush=True)
 
     for t in temperatures:
+        if t > 0:
+            modes_now = [m for m in modes if m in args.sampled_modes.split(",")]
+        else:
+            modes_now = modes
         record("alone", t, [bench.run(t)])
         for k in (2, 4):
-            if f"vllm-draft-{k}" in modes:
+            if f"vllm-draft-{k}" in modes_now:
                 record(f"vllm-draft-{k}", t, bench.own(t, k))
-        if "vllm-draft-4-x2" in modes:
+        if "vllm-draft-4-x2" in modes_now:
             record("vllm-draft-4-x2", t, bench.own(t, 4, instances=2))
-        if "star-cohosted" in modes:
+        if "star-cohosted" in modes_now:
             star = start_server(server_pair, C.ServerConfig())
             try:
                 record("star-cohosted", t, bench.star(t, star.address))
@@ -224,7 +232,7 @@ def llama_target(args, address: str | None) -> subprocess.Popen:
     """A llama.cpp target (`starsd target`, one thread) on the bench's prompts, greedy, with drafts from
     `address` once a line comes on its stdin (None: alone, at once)."""
     argv = [sys.executable, "-m", "starsd.cli", "target", "--prompts", args.prompts, "--offset", str(args.offset),
-            "--limit", str(args.limit), "--max-new-tokens", str(args.max_tokens), "--ignore-eos", "--json",
+            "--limit", str(args.offset + args.limit), "--max-new-tokens", str(args.max_tokens), "--ignore-eos", "--json",
             "--target-engine", "llamacpp", "--threads", "1", "--name", "llamacpp",
             *(["--connect", address, "--wait-go"] if address else ["--no-spec"])]
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
