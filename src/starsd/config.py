@@ -391,6 +391,9 @@ class ProposerSettings:
     timeout_s: float = setting(30.0, "a draft request with no reply this long counts the server as gone")
     idle_s: float = setting(60.0, "a request's session unseen this long is closed (vLLM says nothing when one ends)")
     stats_file: str = setting("", "write the plug-in's counters (JSON) here as it goes (bench vllm reads them)")
+    cohosted: str = setting("auto", "whether the draft server computes on this host's cores: auto (where its address "
+                            "is on this host), yes, or no (an emulated draft host of its own: benchmarks)",
+                            choices=("auto", "yes", "no"))
     adaptive: bool = setting(True, "choose each step's depth (0: no draft) from measured costs, as the star's targets "
                              "do; off: ask every step for num_speculative_tokens and wait for them (tests)")
 
@@ -400,6 +403,8 @@ class ProposerSettings:
         given = {}
         for f in dataclasses.fields(cls):
             value = env.get(f"STARSD_{f.name.upper()}")
+            if value is not None and value not in f.metadata.get("choices", (value,)):
+                raise SettingError(f"STARSD_{f.name.upper()}={value!r}: choose among {', '.join(f.metadata['choices'])}")
             if value is not None and isinstance(f.default, bool):
                 given[f.name] = value.strip().lower() in ("1", "true", "yes", "on")
             elif value is not None:

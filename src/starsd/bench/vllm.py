@@ -85,7 +85,7 @@ class Bench:
                "logprobs": 2 if speculative is None and temperature == 0 else 0}
         return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env=env)
 
-    def star(self, temperature: float, address: str, instances: int = 1) -> list[dict]:
+    def star(self, temperature: float, address: str, instances: int = 1, cohosted: str = "auto") -> list[dict]:
         """`instances` vLLM engines at once, each with StarSD's drafts from `address`; each's result with
         the plug-in's counters and the server's utilisation over the run."""
         from starsd.star.client import query_stats
@@ -96,7 +96,7 @@ class Bench:
         self.stats_files = stats_files
 
         def one(i: int) -> None:
-            proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i])
+            proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i], cohosted=cohosted)
             results[i] = self.run(temperature, spec, proposer)
 
         before = query_stats(address) or {}
@@ -185,7 +185,7 @@ def main(args) -> int:
         star = start_server(server_pair, C.ServerConfig(), extra=["--recording", rec_file])
         try:
             for m in remote:
-                record(m, 0.0, bench.star(0.0, star.address, instances=2 if m.endswith("x2") else 1))
+                record(m, 0.0, bench.star(0.0, star.address, instances=2 if m.endswith("x2") else 1, cohosted="no"))
         finally:
             star.close()
         oracles = {int(m.split("-")[1]): m for m in modes if m.startswith("oracle-")}

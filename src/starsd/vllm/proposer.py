@@ -51,6 +51,7 @@ class Stream:
     depth: int = 0  # the depth its draft was asked for at this step (0: none waited for)
     asked: int = 0  # the depth of the draft it gave vLLM at its last step (0: none)
     asked_for: int | None = None  # the depth it waited for then (None: a draft asked earlier, or none)
+    given: bool = False  # it gave vLLM its row's draft (or none) at the last call: the next tells the outcome
     draft_ms: float | None = None  # that wait
 
 
@@ -104,7 +105,7 @@ class Proposer:
                 for i, sampled in enumerate(sampled_token_ids) if len(sampled)}
         taken = self._take(rows)
         for i, stream in taken.items():
-            if stream.asked or stream.asked_for == 0:
+            if stream.given:  # its row had this call's last step: what it verified, and how long that took
                 self._observe(stream, len(sampled_token_ids[i]) - 1, step_ms)
             if stream.asked:
                 self.counters.verified += 1
@@ -112,8 +113,9 @@ class Proposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         waits = {}
         for i, stream in taken.items():  # every request goes out before any reply is waited for
-            limit = min(self.k, self.max_len - len(rows[i]) - 1)
-            drafts[i], waits[i] = self._ask(stream, rows[i], limit)
+            left = self.max_len - len(rows[i]) - 1  # tokens the row may still emit, at most (its request's own
+            # max_tokens is not said): the policy weighs a first draft's ingest against them, and drafts at most k
+            drafts[i], waits[i] = self._ask(stream, rows[i], left)
         for i, deadline_ms in waits.items():
             if deadline_ms is not None:
                 drafts[i] = self._wait(taken[i], deadline_ms, started)
@@ -151,8 +153,11 @@ class Proposer:
                 stream.held = []
                 stream.asked = 0
                 stream.asked_for = None
+                stream.given = False
                 busy.add(id(stream))
                 taken[c.row] = stream
+        for stream in self.streams:
+            stream.given = stream.given and stream.step == self.step - 1  # (a row that skipped a step: no outcome)
         for i, stream in taken.items():
             stream.row = i
             stream.seen = now
@@ -164,7 +169,8 @@ class Proposer:
         client = DraftClient(for_target(self.settings.connect, len(self.streams)), self.fingerprint, name,
                              timeout_s=self.settings.timeout_s, keys=self.settings.keys)
         client.try_hello(wait_s=0.5)  # a server that is away: the session opens later (RemoteDrafter)
-        stream = Stream(RemoteDrafter(client), DepthPolicy(self.k))
+        cohosted = {"auto": None, "yes": True, "no": False}[self.settings.cohosted]
+        stream = Stream(RemoteDrafter(client, cohosted), DepthPolicy(self.k))
         stream.policy.server_prior(stream.drafter.level_ms)
         self.streams.append(stream)
         self.counters.sessions += 1
@@ -177,9 +183,9 @@ class Proposer:
             stream.policy.observe(stream.asked, min(accepted, stream.asked), stream.draft_ms, stream.asked + 1,
                                   step_ms, asked=stream.asked_for)
 
-    def _ask(self, stream: Stream, tokens: list[int], limit: int) -> tuple[list[int], float | None]:
+    def _ask(self, stream: Stream, tokens: list[int], left: int) -> tuple[list[int], float | None]:
         """This step's request of one stream, sent without waiting: (a draft already here, or []; the
-        deadline to wait for one, None: not waited for)."""
+        deadline to wait for one, None: not waited for). `left`: tokens the row may still emit."""
         policy, drafter, seq = stream.policy, stream.drafter, stream.seq
         new = tokens[len(seq.tokens):]
         stream.held = tokens
@@ -188,16 +194,17 @@ class Proposer:
         policy.neighbours = drafter.neighbours
         policy.cohosted = drafter.cohosted
         policy.inline = not drafter.asynchronous
-        depth = (policy.choose(limit) if self.settings.adaptive else limit) if limit > 0 else 0
-        ahead = policy.ahead(limit, drafter.lateness, drafter.server_ms) if not depth and drafter.asynchronous else 0
+        limit = min(self.k, left)
+        depth = (policy.choose(left) if self.settings.adaptive else limit) if limit > 0 else 0
+        ahead = policy.ahead(left, drafter.lateness, drafter.server_ms) if not depth and drafter.asynchronous else 0
         stream.asked = 0
         stream.asked_for = None
         stream.draft_ms = None
         stream.depth = depth
+        stream.given = True
         if not depth and not ahead:
             seq.tokens.extend(new)
             drafter.keep_up(seq)
-            stream.asked_for = 0
             return [], None
         tree = drafter.propose(seq, new, self.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0)
         policy.holds = True

@@ -1,4 +1,4 @@
-"""vLLM's rows as the star's streams (starsd/vllm/rows.py): pure logic, no vLLM."""
+"""The vLLM proposer's own parts (starsd/vllm): rows told apart, the chain vLLM gets, its settings; no vLLM."""
 
 import torch
 
@@ -46,3 +46,18 @@ def test_a_drafts_first_chain_is_what_vllm_gets():
     assert chain_of(DraftTree.chain([5, 6, 7])) == [5, 6, 7]
     tree = DraftTree(torch.tensor([5, 9, 6, 8]), torch.tensor([-1, -1, 0, 1]))  # two branches
     assert chain_of(tree) == [5, 6] and chain_of(DraftTree.empty()) == []
+
+
+def test_the_proposers_settings_come_from_the_environment():
+    import pytest
+
+    from starsd.config import ProposerSettings
+    from starsd.errors import SettingError
+
+    s = ProposerSettings.from_env({"STARSD_CONNECT": "tcp://h:1,tcp://h:2", "STARSD_TIMEOUT_S": "5",
+                                   "STARSD_ADAPTIVE": "0", "STARSD_COHOSTED": "no"})
+    assert (s.connect, s.timeout_s, s.adaptive, s.cohosted) == ("tcp://h:1,tcp://h:2", 5.0, False, "no")
+    with pytest.raises(SettingError, match="STARSD_CONNECT"):
+        ProposerSettings.from_env({})
+    with pytest.raises(SettingError, match="STARSD_COHOSTED"):
+        ProposerSettings.from_env({"STARSD_CONNECT": "tcp://h:1", "STARSD_COHOSTED": "maybe"})
