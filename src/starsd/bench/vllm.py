@@ -85,7 +85,8 @@ class Bench:
                "logprobs": 2 if speculative is None and temperature == 0 else 0}
         return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env=env)
 
-    def star(self, temperature: float, address: str, instances: int = 1, cohosted: str = "auto") -> list[dict]:
+    def star(self, temperature: float, address: str, instances: int = 1, cohosted: str = "auto",
+             adaptive: bool = True) -> list[dict]:
         """`instances` vLLM engines at once, each with StarSD's drafts from `address`; each's result with
         the plug-in's counters and the server's utilisation over the run."""
         from starsd.star.client import query_stats
@@ -96,7 +97,7 @@ class Bench:
         self.stats_files = stats_files
 
         def one(i: int) -> None:
-            proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i], cohosted=cohosted)
+            proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i], cohosted=cohosted, adaptive=adaptive)
             results[i] = self.run(temperature, spec, proposer)
 
         before = query_stats(address) or {}
@@ -229,12 +230,14 @@ def oracle_run(bench: Bench, outputs: list[list[int]], k: int) -> dict:
 
 
 def llama_target(args, address: str | None) -> subprocess.Popen:
-    """A llama.cpp target (`starsd target`, one thread) on the bench's prompts, greedy, with drafts from
-    `address` once a line comes on its stdin (None: alone, at once)."""
+    """A llama.cpp target (`starsd target`, one thread) on the bench's prompts, greedy, with drafts of a
+    fixed depth 4 (on 2 shared cores the adaptive policy asks for none) from `address` once a line comes
+    on its stdin (None: alone, at once)."""
     argv = [sys.executable, "-m", "starsd.cli", "target", "--prompts", args.prompts, "--offset", str(args.offset),
             "--limit", str(args.offset + args.limit), "--max-new-tokens", str(args.max_tokens), "--ignore-eos", "--json",
             "--target-engine", "llamacpp", "--threads", "1", "--name", "llamacpp",
-            *(["--connect", address, "--wait-go"] if address else ["--no-spec"])]
+            *(["--connect", address, "--wait-go", "--draft-depth", "4", "--no-draft-adaptive"] if address
+              else ["--connect", "tcp://127.0.0.1:9", "--no-spec"])]
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
@@ -244,11 +247,12 @@ def outputs(proc: subprocess.Popen) -> list[dict]:
 
 
 def hetero(bench: Bench, address: str, alone: dict) -> dict:
-    """One draft server, a vLLM instance and a llama.cpp target drafting on it at once; then the
-    llama.cpp target alone. Each engine's greedy output against its own decoding alone."""
+    """One draft server, a vLLM instance and a llama.cpp target drafting on it at once, both asking for
+    4 tokens every step (their adaptive policies, on 2 shared cores, ask for few); then the llama.cpp
+    target alone. Each engine's greedy output against its own decoding alone."""
     llama = llama_target(bench.args, address)
     vllm: list[dict] = []
-    engine = threading.Thread(target=lambda: vllm.extend(bench.star(0.0, address)))
+    engine = threading.Thread(target=lambda: vllm.extend(bench.star(0.0, address, adaptive=False)))
     engine.start()
     while engine.is_alive() and not bench.drafting():  # both decode at once: llama.cpp starts with vLLM's first step
         time.sleep(0.2)
