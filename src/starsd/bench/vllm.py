@@ -12,6 +12,7 @@ Modes:
   stream leaves the recorded outputs);
 - `star-remote-x2` and `vllm-draft-4-x2`: two vLLM instances at once, sharing that draft host, or each
   with its own co-located draft;
+- `no-server`: the plug-in with no draft server answering at its address: every step decodes alone;
 - `hetero`: one real draft server serving, at once, a vLLM instance (the plug-in) and a llama.cpp
   target (`starsd target`, one thread), greedy; each checked against its own engine decoding alone.
 
@@ -40,7 +41,7 @@ from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, summary, write_json
 
 MODES = ("alone", "vllm-draft-2", "vllm-draft-4", "star-cohosted", "star-remote", "star-remote-x2",
-         "vllm-draft-4-x2", "oracle-2", "oracle-4", "hetero")
+         "vllm-draft-4-x2", "oracle-2", "oracle-4", "hetero", "no-server")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -169,6 +170,8 @@ def main(args) -> int:
                 record(f"vllm-draft-{k}", t, bench.own(t, k))
         if "vllm-draft-4-x2" in modes_now:
             record("vllm-draft-4-x2", t, bench.own(t, 4, instances=2))
+        if "no-server" in modes_now:
+            record("no-server", t, bench.star(t, "tcp://127.0.0.1:9"))
         if "star-cohosted" in modes_now:
             star = start_server(server_pair, C.ServerConfig())
             try:
