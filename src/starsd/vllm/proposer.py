@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class Stream:
     asked: int = 0  # the depth of the draft it gave vLLM at its last step (0: none)
     asked_for: int | None = None  # the depth it waited for then (None: a draft asked earlier, or none)
     given: bool = False  # it gave vLLM its row's draft (or none) at the last call: the next tells the outcome
+    cfg: DraftConfig | None = None  # this step's draft: its chain stops where the policy's costs say (spec/depth.py, stop)
     draft_ms: float | None = None  # that wait
 
 
@@ -206,7 +207,8 @@ class Proposer:
             seq.tokens.extend(new)
             drafter.keep_up(seq)
             return [], None
-        tree = drafter.propose(seq, new, self.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0)
+        stream.cfg = replace(self.cfg, min_path_prob=policy.stop()) if self.settings.adaptive else self.cfg
+        tree = drafter.propose(seq, new, stream.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0)
         policy.holds = True
         if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
             return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
@@ -218,7 +220,7 @@ class Proposer:
         """The reply to this step's request, waited for until its deadline (counted from the step's start)."""
         left = max(0.0, deadline_ms - (time.perf_counter() - started) * 1e3)
         depth = stream.depth
-        tree = stream.drafter.propose(stream.seq, [], self.cfg, GREEDY, max_depth=depth, deadline_ms=left)
+        tree = stream.drafter.propose(stream.seq, [], stream.cfg, GREEDY, max_depth=depth, deadline_ms=left)
         waited = (time.perf_counter() - started) * 1e3
         if not len(tree):
             if waited >= deadline_ms:
