@@ -94,7 +94,8 @@ class Bench:
 
         spec = {"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": self.args.k}
         results: list[dict] = [{} for _ in range(instances)]
-        stats_files = [tempfile.mktemp(suffix=".json") for _ in range(instances)]
+        folder = tempfile.mkdtemp(prefix="starsd-vllm-")  # the plug-in writes each file once it is first called
+        stats_files = [os.path.join(folder, f"proposer-{i}.json") for i in range(instances)]
         self.stats_files = stats_files
 
         def one(i: int) -> None:
@@ -114,6 +115,7 @@ class Bench:
             r["plugin"] = json.loads(Path(f).read_text()) if Path(f).is_file() else {}
             r["server_utilisation"] = busy / wall if wall > 0 else None
             Path(f).unlink(missing_ok=True)
+        os.rmdir(folder)
         return results
 
     def drafting(self) -> bool:
@@ -136,7 +138,7 @@ class Bench:
 
 
 def main(args) -> int:
-    from starsd.bench.llamacpp import bound, record_drafts
+    from starsd.bench.llamacpp import bound, cpu_kind, record_drafts
     from starsd.star.launch import start_server
 
     pair = C.from_args(C.PairConfig, args)
@@ -331,9 +333,3 @@ def figures(runs: dict) -> dict:
 def plot(path: str, figs: dict) -> None:
     bar_panels(path, [{"labels": list(figs), "values": [round(f["vs_alone"], 2) for f in figs.values()],
                        "ylabel": "tokens/s per instance, x vLLM alone", "title": "vLLM with StarSD drafts"}])
-
-
-def cpu_kind() -> str:
-    from starsd.bench.llamacpp import cpu_kind as kind
-
-    return kind()
