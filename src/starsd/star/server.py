@@ -308,9 +308,9 @@ class DraftServer:
             tensors += [tree.q.ids.to(torch.int32), tree.q.weights]
         reply = P.DraftReply(s.tag, req.msg.step, (start - req.received) * 1e3, (end - start) * 1e3, batch_size,
                              P.specs(*tensors))
-        self._outbox.send(s.peer, reply, tuple(tensors))
-        self.stats.count("replies")
+        self.stats.count("replies")  # before the send: a peer that has its reply sees it counted
         self.stats.replied(reply.queue_ms + reply.service_ms)
+        self._outbox.send(s.peer, reply, tuple(tensors))
 
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()
