@@ -13,6 +13,7 @@ import collections
 import json
 import math
 import random
+import threading
 import tracemalloc
 from pathlib import Path
 
@@ -209,6 +210,22 @@ def test_msgpack_nested_too_deep_for_msgspec_is_a_bad_header():
     for frames in (F.header(P.MsgType.DRAFT_REQUEST, [1, 0, True, {"bogus": F.nested(5000)}, {}, 8, []]),
                    F.header(P.MsgType.HELLO, [2, "f", "t", F.nested(5000, in_maps=True)])):
         assert decode_outcome([frames]) == "bad_header"
+
+
+def test_a_header_nested_near_pythons_limit_is_refused_alike_in_any_thread():
+    """Nested 900 levels: msgspec followed it in the draft server's thread (a shallow stack) but not
+    in a caller deep in its own stack, so the same bytes were a BYE for session 0 there and a bad
+    header here (the fuzzer saw it as a flaky refusal). Refused by depth, it is bad_header everywhere."""
+    frames = F.header(P.MsgType.BYE, [0, F.nested(900)])
+    outcomes = []
+    thread = threading.Thread(target=lambda: outcomes.append(decode_outcome([frames])))
+    thread.start()
+    thread.join()
+
+    def deep(n: int) -> str:
+        return decode_outcome([frames]) if n == 0 else deep(n - 1)
+
+    assert outcomes == [deep(400)] == ["bad_header"]
 
 
 @FAST
@@ -413,7 +430,6 @@ def test_a_server_that_answers_nonsense_costs_a_target_its_drafts_not_its_stream
             router.send_multipart([peer, b"\x04garbage"])
             answered.append(True)
 
-        import threading
 
         t = threading.Thread(target=answer)
         t.start()

@@ -304,6 +304,51 @@ def _buffer(t: torch.Tensor):
     return memoryview(t.numpy()).cast("B")
 
 
+MAX_NESTING = 32  # arrays and maps in a header: no message nests more than a few levels
+_SKIP = {**{b: 1 for b in (0xcc, 0xd0)}, **{b: 2 for b in (0xcd, 0xd1, 0xd4)}, **{b: 3 for b in (0xd5,)},
+         **{b: 4 for b in (0xca, 0xce, 0xd2)}, **{b: 5 for b in (0xd6,)}, **{b: 8 for b in (0xcb, 0xcf, 0xd3)},
+         **{b: 9 for b in (0xd7,)}, **{b: 17 for b in (0xd8,)}}  # msgpack's fixed-size items: bytes after the tag
+_SIZED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1), 0xd9: (1, 0),
+          0xda: (2, 0), 0xdb: (4, 0)}  # bin, ext, str: (bytes of the length, bytes before the data)
+_COUNTED = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # array, map: (bytes of the count, items each)
+
+
+def _nests_deeper(buf: bytes, start: int, limit: int) -> bool:
+    """Whether the msgpack object at buf[start:] nests arrays or maps more than `limit` deep, walked
+    without recursion. msgspec follows nesting as deep as the calling thread's stack allows (a thousand
+    levels less the caller's frames), so the same header could decode in the server's thread and fail
+    in another: refused by this, it fails alike everywhere. A truncated object is left to msgspec."""
+    left = [1]  # items still to come at each open level
+    i, n = start, len(buf)
+    while left and i < n:
+        b = buf[i]
+        i += 1
+        left[-1] -= 1
+        items = 0
+        if 0x80 <= b <= 0x8f:
+            items = 2 * (b & 0x0f)
+        elif 0x90 <= b <= 0x9f:
+            items = b & 0x0f
+        elif 0xa0 <= b <= 0xbf:
+            i += b & 0x1f
+        elif b in _SKIP:
+            i += _SKIP[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            i += width + extra + int.from_bytes(buf[i:i + width], "big")
+        elif b in _COUNTED:
+            width, each = _COUNTED[b]
+            items = each * int.from_bytes(buf[i:i + width], "big")
+            i += width
+        if items:
+            left.append(items)
+            if len(left) > limit + 1:  # (left[0]: the object itself, no level)
+                return True
+        while left and not left[-1]:
+            left.pop()
+    return False
+
+
 def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
     """Frames -> (message, tensors), validated. Raises ProtocolError."""
     if not frames:
@@ -315,6 +360,8 @@ def decode(frames: list) -> tuple[msgspec.Struct, tuple[torch.Tensor, ...]]:
         kind = MsgType(head[0])
     except ValueError:
         raise ProtocolError("unknown_type", f"unknown message type {head[0]}") from None
+    if len(head) > MAX_NESTING and _nests_deeper(head, 1, MAX_NESTING):
+        raise ProtocolError("bad_header", f"malformed {kind.name} header: nested deeper than {MAX_NESTING} levels")
     try:
         msg = _DECODERS[kind].decode(memoryview(head)[1:])  # no copy of the header
     except msgspec.ValidationError as e:
