@@ -1,10 +1,22 @@
-"""The vLLM proposer's own parts (starsd/vllm): rows told apart, the chain vLLM gets, its settings; no vLLM."""
+"""The vLLM proposer's own parts (starsd/vllm): rows told apart, the chain vLLM gets, its settings, a
+refusal met; no vLLM (its calls are made as vLLM's runner makes them, to a real draft server in this
+process)."""
 
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
 import torch
 
+from starsd.config import ProposerSettings, ServerConfig
 from starsd.spec.tree import DraftTree
-from starsd.vllm.proposer import chain_of
+from starsd.star.processes import free_port
+from starsd.star.server import DraftServer
+from starsd.vllm.kernels import expand
+from starsd.vllm.proposer import Proposer, chain_of
 from starsd.vllm.rows import claim, extends
+
+FP = "f" * 64
 
 
 def test_a_row_that_goes_on_keeps_its_stream():
@@ -36,6 +48,15 @@ def test_two_rows_that_extend_one_stream_share_nothing():
     assert [(c.row, c.stream) for c in claims] == [(0, 0), (1, None)]
 
 
+def test_a_row_that_holds_no_more_than_a_streams_tokens_takes_none():
+    """A copy of a prompt that sampled what another copy did, at the point where that copy's stream
+    stands (its own row skipped this step): a new stream, not one with nothing new for its server
+    (a request of no tokens, which the server refuses)."""
+    held = {0: [1, 2, 3]}
+    claims = claim({4: [1, 2, 3]}, held, {0: 0})
+    assert [(c.row, c.stream) for c in claims] == [(4, None)]
+
+
 def test_a_row_takes_the_longest_stream_it_extends():
     held = {0: [1, 2], 1: [1, 2, 3, 4]}
     claims = claim({3: [1, 2, 3, 4, 5]}, held, {0: 5, 1: 6})
@@ -46,6 +67,17 @@ def test_a_drafts_first_chain_is_what_vllm_gets():
     assert chain_of(DraftTree.chain([5, 6, 7])) == [5, 6, 7]
     tree = DraftTree(torch.tensor([5, 9, 6, 8]), torch.tensor([-1, -1, 0, 1]))  # two branches
     assert chain_of(tree) == [5, 6] and chain_of(DraftTree.empty()) == []
+
+
+def test_the_repaired_expand_spreads_each_requests_value_over_its_tokens():
+    """vLLM's expand kernel's contract (vllm/kernels.py): request r's value on each of its tokens, floats
+    kept as floats, replace_from replaced (vLLM marks a greedy request's temperature so)."""
+    out = torch.full((6,), -9.0)
+    expand(out, torch.tensor([0.5, -1.0, 0.75]), torch.tensor([2, 3, 6], dtype=torch.int32), -1.0, 1.0)
+    assert out.tolist() == [0.5, 0.5, 1.0, 0.75, 0.75, 0.75]
+    ints = torch.zeros(3, dtype=torch.int64)
+    expand(ints, torch.tensor([4, 9]), torch.tensor([0, 3]), 0, 0)
+    assert ints.tolist() == [9, 9, 9]  # a request with no drafted token takes none
 
 
 def test_the_proposers_settings_come_from_the_environment():
@@ -61,3 +93,33 @@ def test_the_proposers_settings_come_from_the_environment():
         ProposerSettings.from_env({})
     with pytest.raises(SettingError, match="STARSD_COHOSTED"):
         ProposerSettings.from_env({"STARSD_CONNECT": "tcp://h:1", "STARSD_COHOSTED": "maybe"})
+
+
+@pytest.fixture
+def server(tiny_drafters):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    s = DraftServer(tiny_drafters["good"], FP, 128, ServerConfig(bind=address))
+    thread = s.start()
+    yield address
+    s.stop()
+    thread.join(timeout=5)
+
+
+def test_a_refused_row_decodes_alone_and_the_others_draft_on(server):
+    """Row 1 holds a token the server's 128-token vocabulary has not: the server refuses its request
+    (bad_tokens). vLLM's step still gets every row's draft but that one's, no exception reaches vLLM,
+    and the next step drafts again."""
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = Proposer(vllm_config, ProposerSettings(connect=server, timeout_s=10.0, adaptive=False), fingerprint=FP)
+    tokens = np.zeros((2, 64), dtype=np.int64)
+    tokens[0, :6] = [1, 2, 3, 4, 5, 6]
+    tokens[1, :6] = [1, 2, 3, 4, 5, 500]
+    for step in range(2):
+        n = 6 + step
+        drafts = proposer.propose([[int(tokens[0, n - 1])], [500]], np.array([n, n]), tokens)
+        assert drafts[0] and drafts[1] == []
+        assert proposer.counters.errors == step + 1
+        tokens[0, n] = drafts[0][0]  # vLLM accepted the first drafted token
+        tokens[1, n] = 500
+    proposer.close()

@@ -29,6 +29,7 @@ from starsd.spec.depth import DepthPolicy
 from starsd.spec.tree import DraftTree
 from starsd.star.client import DraftClient, for_target
 from starsd.star.remote_drafter import RemoteDrafter, RemoteSequence
+from starsd.vllm import kernels
 from starsd.vllm.rows import claim
 
 log = logging.getLogger("starsd.vllm")
@@ -69,26 +70,31 @@ class Counters:
     ms: float = 0.0  # time in propose(): sending, waiting for drafts, bookkeeping
     missed: int = 0  # drafts that did not come within their deadline
     sessions: int = 0  # draft sessions opened
+    errors: int = 0  # a stream's step that failed (a refusal, a fault): its row decoded alone, its session closed
+    repaired: bool = False  # vLLM's CPU expand kernel was replaced (vllm/kernels.py)
 
 
 class Proposer:
     """vLLM's custom_class proposer (vLLM builds it as cls(vllm_config) in its model runner)."""
 
-    def __init__(self, vllm_config, settings: ProposerSettings | None = None, tokenizer=None):
+    def __init__(self, vllm_config, settings: ProposerSettings | None = None, fingerprint: str | None = None):
+        """`fingerprint`: the target vocabulary's (None: from vLLM's tokenizer and vocabulary size)."""
         self.settings = settings or ProposerSettings.from_env()
         spec = vllm_config.speculative_config
         model = vllm_config.model_config
         self.k = int(spec.num_speculative_tokens)
         self.max_len = int(model.max_model_len)
-        if tokenizer is None:
+        if fingerprint is None:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
-        self.fingerprint = vocab_fingerprint(tokenizer, model.get_vocab_size())
+            fingerprint = vocab_fingerprint(tokenizer, model.get_vocab_size())
+        self.fingerprint = fingerprint
+        self.repaired = kernels.repair(self.settings.vllm_repair)  # (vLLM's CPU build: sampled drafts' temperatures)
         self.cfg = DraftConfig(depth=self.k)
         self.streams: list[Stream] = []
         self.step = 0  # propose() calls so far
         self.returned: float | None = None  # when the last propose() returned (perf_counter s)
-        self.counters = Counters()
+        self.counters = Counters(repaired=self.repaired)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls it for every proposer: the model is on the draft server."""
@@ -100,6 +106,20 @@ class Proposer:
         more; empty: a row still in its prefill, skipped); token_ids_cpu[i, :num_tokens_no_spec[i]]:
         its committed tokens, those included."""
         started = time.perf_counter()
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, started)
+        except Exception as e:  # fails open: no fault of the drafting side stops vLLM's step
+            log.warning("StarSD drafts failed at vLLM's step %d (%s: %s): every row decodes alone, and each "
+                        "request's draft session starts afresh", self.step, type(e).__name__, e)
+            self.counters.errors += 1
+            self.close()
+            drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+            self.returned = time.perf_counter()
+            self._count({}, drafts, (self.returned - started) * 1e3)
+            return drafts
+
+    def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                 token_ids_cpu: np.ndarray, started: float) -> list[list[int]]:
         self.step += 1
         step_ms = (started - self.returned) * 1e3 if self.returned is not None else None
         rows = {i: token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
@@ -116,14 +136,29 @@ class Proposer:
         for i, stream in taken.items():  # every request goes out before any reply is waited for
             left = self.max_len - len(rows[i]) - 1  # tokens the row may still emit, at most (its request's own
             # max_tokens is not said): the policy weighs a first draft's ingest against them, and drafts at most k
-            drafts[i], waits[i] = self._ask(stream, rows[i], left)
+            drafts[i], waits[i] = self._alone_on_error(stream, ([], None), self._ask, stream, rows[i], left)
         for i, deadline_ms in waits.items():
             if deadline_ms is not None:
-                drafts[i] = self._wait(taken[i], deadline_ms, started)
+                drafts[i] = self._alone_on_error(taken[i], [], self._wait, taken[i], deadline_ms, started)
         self._close_idle()
         self.returned = time.perf_counter()
         self._count(taken, drafts, (self.returned - started) * 1e3)
         return drafts
+
+    def _alone_on_error(self, stream: Stream, alone, step, *args):
+        """One stream's part of a step, `step(*args)`; where it fails (the server refused the request, or
+        anything else), `alone` (its row decodes alone this step) and the stream's session is closed,
+        so that its request's next step opens a new one from its whole prefix: one stream's fault is
+        neither vLLM's nor another stream's."""
+        try:
+            return step(*args)
+        except Exception as e:
+            log.warning("%s: its draft failed (%s: %s); its row decodes alone and its session starts afresh",
+                        stream.drafter.client.name, type(e).__name__, e)
+            self.counters.errors += 1
+            stream.drafter.client.close()
+            self.streams = [st for st in self.streams if st is not stream]
+            return alone
 
     def _count(self, taken: dict[int, Stream], drafts: list[list[int]], ms: float) -> None:
         c = self.counters

@@ -26,18 +26,25 @@ class Claim:
 def claim(rows: dict[int, list[int]], held: dict[int, list[int]], last_row: dict[int, int]) -> list[Claim]:
     """Each row's stream. `rows`: row -> committed tokens, of the rows vLLM asks drafts for this step;
     `held`: stream -> the committed tokens it was last given; `last_row`: stream -> the row it had.
-    A stream is taken by at most one row: first by the row it had, if that row extends it, then by
-    any other row that extends it, longest stream first (the most specific prefix)."""
+    A stream is taken by at most one row: first by the row it had, if that row goes on from it, then
+    by any other row that goes on from it, longest stream first (the most specific prefix). A row goes
+    on from a stream where it holds the stream's tokens and more (a request commits at least one a
+    step): one that holds exactly those is another request at the same point (copies of a prompt that
+    sampled alike), which would bring the stream's server no new token."""
     claims = {}
     free = dict(held)
+
+    def goes_on(row: int, stream: int) -> bool:
+        return len(rows[row]) > len(free[stream]) and extends(rows[row], free[stream])
+
     for stream, row in last_row.items():
-        if row in rows and stream in free and extends(rows[row], free[stream]):
+        if row in rows and stream in free and goes_on(row, stream):
             claims[row] = Claim(row, stream)
             del free[stream]
     for row in sorted(rows):
         if row in claims:
             continue
-        found = [s for s, known in free.items() if extends(rows[row], known)]
+        found = [s for s in free if goes_on(row, s)]
         stream = max(found, key=lambda s: len(free[s]), default=None)
         if stream is not None:
             del free[stream]
