@@ -1,7 +1,6 @@
 """The depth policy alone: pure arithmetic on measured costs and acceptance."""
 
 import random
-import statistics
 import time
 
 import pytest

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
-from starsd.emulate.draft_host import Cost, RecordedDrafter, Recording, record
+from starsd.emulate.draft_host import Cost, RecordedDrafter, Recording, batch_scale, record
 from starsd.models.drafter import DraftJob
 from starsd.spec.decode import speculative, target_only
 from starsd.star.client import DraftClient
@@ -97,6 +97,24 @@ def test_a_recorded_draft_takes_its_cost_and_yields_between_levels(tiny_target, 
     recorded_higher = dataclasses.replace(rec, min_path_prob=0.3)  # below its recorded threshold: not known
     assert RecordedDrafter(emulated.model, recorded_higher).propose(
         emulated.start(PROMPT), [], cfg, GREEDY).tokens.tolist() == []
+    # a batch of three streams: each level at the batch's cost, as measured, not three streams' own
+    batched = RecordedDrafter(emulated.model, dataclasses.replace(rec, cost=Cost(10, 5, 40, batch=(1.0, 1.2, 1.5))))
+    seqs = [batched.start(PROMPT) for _ in range(3)]
+    slept.clear()
+    batched.propose_batch([DraftJob(s, [], cfg, GREEDY) for s in seqs])
+    assert sum(slept) == pytest.approx(10 + 5 * (3 * len(PROMPT) - 1) + 4 * 40 * 1.5)
+
+
+def test_a_batched_levels_cost_is_measured_and_extended():
+    cost = Cost(0, 0, 10, batch=(1.0, 1.25, 1.5))
+    assert [cost.level_ms(b) for b in (1, 3, 5)] == [10, 15, 20]  # beyond: the last two's line
+    assert Cost(0, 0, 10).level_ms(3) == 30  # a recording from before: each stream's level apart
+
+
+def test_the_real_drafters_batches_cost_less_a_stream_than_streams_alone(tiny_drafters):
+    scale = batch_scale(tiny_drafters["good"], PROMPT, DraftConfig(), sizes=3, repeats=5)
+    assert len(scale) == 3 and scale[0] == 1.0 and all(s > 0 for s in scale)
+    assert scale[2] < 3.0  # three streams' level in one batch: less than three levels of one
 
 
 def test_a_draft_server_answering_from_a_recording_serves_the_real_drafters_steps(tiny_target, tiny_drafters, tmp_path):

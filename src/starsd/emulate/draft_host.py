@@ -21,9 +21,10 @@ emulate target hosts (emulate/replay.py), on the other side of the star:
 - `starsd draft-server --recording FILE` serves it: the real server (protocol, sessions, batching,
   pre-drafting, transport) around the recorded drafter.
 
-The emulation's errors: a batch of several streams is charged each level once per stream (the
-recording times one stream; a real batch costs less), so use it at one stream per server; everything
-the server does besides drafting runs for real, on the target's cores.
+A batch of several streams is charged a level at the real drafter's cost for that batch size,
+measured when recording (`batch_scale`: on an AMX Xeon's 2 cores a level of 3 streams cost about
+... times one's); its ingest as the streams' tokens together. The emulation's errors: everything the
+server does besides drafting runs for real, on the target's cores.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,15 +52,28 @@ def _key(tokens: list[int]) -> str:
 @dataclass(frozen=True)
 class Cost:
     """What the real drafter took for one draft of one stream (ms): `fixed` + `per_token` x (tokens
-    ingested - 1) + `per_level` x levels drafted, fitted by least squares to the recorded drafts."""
+    ingested - 1) + `per_level` x levels drafted, fitted by least squares to the recorded drafts; and
+    a level of a batch of b streams, `batch[b - 1]` times one stream's (measured for a few sizes,
+    by a line through the last two beyond; none measured: b times)."""
 
     fixed: float
     per_token: float
     per_level: float
     source: str = ""
+    batch: tuple[float, ...] = ()
 
     def ms(self, ingested: int, levels: int) -> float:
         return max(0.0, self.fixed + self.per_token * max(0, ingested - 1) + self.per_level * levels)
+
+    def level_ms(self, streams: int) -> float:
+        """A drafted level of a batch of `streams`."""
+        b = self.batch
+        if not b:
+            return self.per_level * streams
+        if streams <= len(b):
+            return self.per_level * b[streams - 1]
+        slope = b[-1] - b[-2] if len(b) > 1 else b[-1]
+        return self.per_level * (b[-1] + slope * (streams - len(b)))
 
     @classmethod
     def fit(cls, samples: list[tuple[int, int, float]], source: str) -> Cost:
@@ -118,7 +132,8 @@ class Recording:
             d = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise SettingError(f"cannot read the recording {path}: {e}") from None
-        return cls({k: tuple(v) for k, v in d["chains"].items()}, Cost(**d["cost"]), d["depth"],
+        cost = Cost(**{**d["cost"], "batch": tuple(d["cost"].get("batch", ()))})
+        return cls({k: tuple(v) for k, v in d["chains"].items()}, cost, d["depth"],
                    d["min_path_prob"], [tuple(s) for s in d["samples"]])
 
 
@@ -142,7 +157,33 @@ def record(drafter: Drafter, paths: list[tuple[list[int], list[int]]], cfg: Draf
             chains[_key(prompt + output[:i])] = (chain, job.second[:len(chain)], job.path[:len(chain)])
             if i != 1:  # the first step after a prompt pays for the model's first touch of a new length
                 samples.append((ingested, len(chain), ms))
-    return Recording(chains, Cost.fit(samples, source), cfg.depth, cfg.min_path_prob, samples)
+    cost = replace(Cost.fit(samples, source), batch=batch_scale(drafter, paths[0][0], cfg))
+    return Recording(chains, cost, cfg.depth, cfg.min_path_prob, samples)
+
+
+def batch_scale(drafter: Drafter, prompt: list[int], cfg: DraftConfig, sizes: int = 4, depth: int = 4,
+                repeats: int = 3) -> tuple[float, ...]:
+    """A drafted level's cost for batches of 1..`sizes` streams, relative to one stream's: the real
+    drafter drafting `depth` levels and one level for each batch (copies of `prompt`, a token a step),
+    the difference per level, the median of `repeats`."""
+    level_cfg = replace(cfg, depth=depth, min_path_prob=0.0)
+    seqs = [drafter.start(prompt) for _ in range(sizes)]
+    for seq in seqs:
+        drafter.propose_batch([DraftJob(seq, [], level_cfg, SamplingConfig())])
+    per_level = []
+    for b in range(1, sizes + 1):
+        times = []
+        for _ in range(repeats):
+            ms = {}
+            for levels in (1, depth):
+                jobs = [DraftJob(seq, [seq.tokens[-1]], replace(level_cfg, depth=levels), SamplingConfig())
+                        for seq in seqs[:b]]
+                start = time.perf_counter()
+                drafter.propose_batch(jobs)
+                ms[levels] = (time.perf_counter() - start) * 1e3
+            times.append(max(0.0, ms[depth] - ms[1]) / (depth - 1))
+        per_level.append(sorted(times)[len(times) // 2])
+    return tuple(round(t / max(per_level[0], 1e-6), 3) for t in per_level)
 
 
 class RecordedDrafter(Drafter):
@@ -182,10 +223,11 @@ class RecordedDrafter(Drafter):
             chains.append(got)
             levels = max(levels, len(got[0]) or depth)
         cost = self.recording.cost
-        time.sleep(cost.ms(ingested, len(jobs)) / 1e3)  # the ingest and the first level
+        level_ms = cost.level_ms(len(jobs))
+        time.sleep(max(0.0, cost.ms(ingested, 0) + level_ms) / 1e3)  # the ingest and the first level
         drafted = 1
         while drafted < levels and not (stop is not None and stop()):
-            time.sleep(cost.per_level * len(jobs) / 1e3)
+            time.sleep(level_ms / 1e3)
             drafted += 1
         trees = []
         for job, (chain, second) in zip(jobs, chains):
