@@ -56,6 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "run greedy only")
     p.add_argument("--sampled-modes", default="alone,vllm-draft-4,star-cohosted",
                    help="the modes run at the temperatures above 0")
+    p.add_argument("--fixed", action="store_true", help="the StarSD modes ask for k tokens every step (STARSD_ADAPTIVE=0): "
+                   "a check of the output that drafts at every step, not a measure of speed")
     p.add_argument("--vllm-python", default="", help="the vLLM environment's python (default: make vllm's)")
     p.add_argument("--json-out", default="results/vllm.json", help="results as JSON here, the plot (PNG) beside it")
     C.add_flags(p, C.PairConfig)
@@ -87,9 +89,10 @@ class Bench:
         return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env=env)
 
     def star(self, temperature: float, address: str, instances: int = 1, cohosted: str = "auto",
-             adaptive: bool = True) -> list[dict]:
+             adaptive: bool | None = None) -> list[dict]:
         """`instances` vLLM engines at once, each with StarSD's drafts from `address`; each's result with
-        the plug-in's counters and the server's utilisation over the run."""
+        the plug-in's counters and the server's utilisation over the run. `adaptive`: None, unless --fixed."""
+        adaptive = not self.args.fixed if adaptive is None else adaptive
         from starsd.star.client import query_stats
 
         spec = {"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": self.args.k}
