@@ -87,7 +87,6 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, wit
     from starsd.models.pair import Pair
     from starsd.spec.decode import measure_verify, speculative, target_only
     from starsd.spec.depth import DepthPolicy
-    from starsd.spec.tree import DraftTree
     from starsd.star.client import DraftClient
     from starsd.star.remote_drafter import RemoteDrafter
 
@@ -105,8 +104,7 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, wit
     while (job := conn.recv()) is not None:
         kind, ids, n = job
         if kind == "margin":
-            top = loaded.target.score(loaded.target.start(ids), DraftTree.empty())[0].topk(2).values
-            conn.send(float(top[0] - top[1]))
+            conn.send(top2_margin(loaded.target, ids))
             continue
         if kind == "costs":
             conn.send(verify_costs(loaded.target, ids))
@@ -119,6 +117,14 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, wit
         conn.send({"token_ids": gen.token_ids, "decoded": len(gen.token_ids),
                    "decode_s": gen.decoding_s, "steps": gen.num_steps,
                    "mean_accepted": gen.mean_accepted, "drafted_steps": sum(1 for d in gen.depths if d)})
+
+
+def top2_margin(target, ids: list[int]) -> float:
+    """The target's top-2 logit margin for the token after `ids`, one token scored (its single-token kernel)."""
+    from starsd.spec.tree import DraftTree
+
+    top = target.score(target.start(ids), DraftTree.empty())[0].topk(2).values
+    return float(top[0] - top[1])
 
 
 def verify_costs(target, ids: list[int], rounds: int = 9) -> dict[int, float]:

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from starsd import config as C
+from starsd.bench.llamacpp import NEAR_TIE
 from starsd.bench.vllm_runs import run_engine, vllm_python
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, summary, write_json
@@ -58,6 +59,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the modes run at the temperatures above 0")
     p.add_argument("--fixed", action="store_true", help="the StarSD modes ask for k tokens every step (STARSD_ADAPTIVE=0): "
                    "a check of the output that drafts at every step, not a measure of speed")
+    p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every vLLM engine's environment, e.g. KMP_BLOCKTIME=0 (Intel OpenMP's threads sleep "
+                   "at once after a parallel region instead of spinning 200 ms on cores a draft server shares)")
     p.add_argument("--vllm-python", default="", help="the vLLM environment's python (default: make vllm's)")
     p.add_argument("--json-out", default="results/vllm.json", help="results as JSON here, the plot (PNG) beside it")
     C.add_flags(p, C.PairConfig)
@@ -86,7 +90,8 @@ class Bench:
                "max_tokens": self.args.max_tokens, "temperature": temperature, "seed": 0, "ignore_eos": True,
                "speculative": speculative, "max_num_seqs": max(4, len(self.prompt_ids)),
                "logprobs": 2 if speculative is None and temperature == 0 else 0}
-        return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env=env)
+        given = dict(kv.split("=", 1) for kv in self.args.engine_env)
+        return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env={**given, **(env or {})})
 
     def star(self, temperature: float, address: str, instances: int = 1, cohosted: str = "auto",
              adaptive: bool | None = None) -> list[dict]:
@@ -114,9 +119,13 @@ class Bench:
         after = query_stats(address) or {}
         busy = after.get("busy_s", 0.0) - before.get("busy_s", 0.0)
         wall = after.get("uptime_s", 0.0) - before.get("uptime_s", 0.0)
+        pre, pre0 = after.get("predraft", {}), before.get("predraft", {})
+        predraft = {k: pre.get(k, 0) - pre0.get(k, 0) for k in ("outcomes", "hits", "misses")}
         for r, f in zip(results, stats_files):
             r["plugin"] = json.loads(Path(f).read_text()) if Path(f).is_file() else {}
             r["server_utilisation"] = busy / wall if wall > 0 else None
+            r["server_requests"] = after.get("requests", 0) - before.get("requests", 0)
+            r["server_predraft"] = predraft  # pre-drafted outcomes, and requests answered from one or not
             Path(f).unlink(missing_ok=True)
         os.rmdir(folder)
         return results
@@ -272,12 +281,30 @@ def hetero(bench: Bench, address: str, alone: dict) -> dict:
     plain = outputs(llama_target(bench.args, None))
     same_llama = [a["token_ids"] == b["token_ids"] for a, b in zip(spec, plain)]
     same_vllm = [a == b for a, b in zip(vllm["token_ids"], alone["token_ids"])]
+    divergences = []  # llama.cpp's: where its batched and single-token kernels may round a near-tie apart
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        at = next((j for j, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), None)
+        if at is not None:
+            margin = llama_margin(bench.pair, bench.prompt_ids[i] + b["token_ids"][:at])
+            divergences.append({"prompt": i, "at": at, "margin": margin, "near_tie": margin < NEAR_TIE})
     return {"vllm": {"equal": same_vllm, "tokens_per_s": vllm["tokens_per_s"], "plugin": vllm.get("plugin")},
-            "llamacpp": {"equal": same_llama, "drafted_steps": [r.get("drafted_steps") for r in spec],
+            "llamacpp": {"equal": same_llama, "divergences": divergences,
+                         "drafted_steps": [r.get("drafted_steps") for r in spec],
                          "tokens_per_s": [r["tokens_per_s"] for r in spec],
                          "alone_tokens_per_s": [r["tokens_per_s"] for r in plain]},
             "summary": f"vLLM {sum(same_vllm)}/{len(same_vllm)} equal to vLLM alone, llama.cpp "
-                       f"{sum(same_llama)}/{len(same_llama)} equal to llama.cpp alone"}
+                       f"{sum(same_llama)}/{len(same_llama)} equal to llama.cpp alone"
+                       + "".join(f"; llama.cpp prompt {d['prompt']} parts at {d['at']}, margin {d['margin']:.3f}"
+                                 for d in divergences)}
+
+
+def llama_margin(pair: C.PairConfig, ids: list[int]) -> float:
+    """llama.cpp's top-2 logit margin after `ids`, as the hetero target runs it (one thread)."""
+    from starsd.bench.llamacpp import top2_margin
+    from starsd.models.pair import Pair
+
+    llama = dataclasses.replace(pair, target_engine="llamacpp", threads=1)
+    return top2_margin(Pair.load(llama.target_model(), None, pair.cache, 1).target, ids)
 
 
 def fill(costs: dict[int, float]) -> dict[int, float]:
@@ -329,6 +356,7 @@ def figures(runs: dict) -> dict:
             f["drafted_share"] = round(sum(p["drafted"] for p in plugin) / max(1, sum(p["rows"] for p in plugin)), 2)
             util = results[0].get("server_utilisation")
             f["server_utilisation"] = None if util is None else round(util, 2)
+            f["server_predraft"] = results[0].get("server_predraft")
         out[key] = f
     return out
 
