@@ -126,6 +126,8 @@ class Bench:
             r["server_utilisation"] = busy / wall if wall > 0 else None
             r["server_requests"] = after.get("requests", 0) - before.get("requests", 0)
             r["server_predraft"] = predraft  # pre-drafted outcomes, and requests answered from one or not
+            r["server_batches"] = {k: v - before.get("batch_sizes", {}).get(k, 0)
+                                   for k, v in after.get("batch_sizes", {}).items()}  # batches by size
             Path(f).unlink(missing_ok=True)
         os.rmdir(folder)
         return results
@@ -200,7 +202,9 @@ def main(args) -> int:
         rec_file = f"{base}-drafts.json"
         out["recording"] = {"file": rec_file, "cost_ms": record_drafts(set(os.sched_getaffinity(0)), pair, draft,
                                                                        paths, rec_file)}
-        star = start_server(server_pair, C.ServerConfig(), extra=["--recording", rec_file])
+        star = start_server(server_pair, C.ServerConfig(predraft_cohosted=True), extra=["--recording", rec_file])
+        # (a host of its own: its idle time is not vLLM's cores, so it pre-drafts while vLLM verifies, as a
+        # real draft host does; on loopback the server takes vLLM for a target on its host)
         try:
             for m in remote:
                 record(m, 0.0, bench.star(0.0, star.address, instances=2 if m.endswith("x2") else 1, cohosted="no"))
@@ -357,6 +361,7 @@ def figures(runs: dict) -> dict:
             util = results[0].get("server_utilisation")
             f["server_utilisation"] = None if util is None else round(util, 2)
             f["server_predraft"] = results[0].get("server_predraft")
+            f["server_batches"] = results[0].get("server_batches")
         out[key] = f
     return out
 
