@@ -11,7 +11,9 @@ Modes:
   after the real drafter's measured time on both cores, the target idle); greedy only (a sampled
   stream leaves the recorded outputs);
 - `star-remote-x2` and `vllm-draft-4-x2`: two vLLM instances at once, sharing that draft host, or each
-  with its own co-located draft;
+  with its own co-located draft; `-nopredraft`: the same draft host with pre-drafting off (a server's
+  default is on; on loopback it would take vLLM for a target on its cores, and the emulated host is
+  told otherwise);
 - `no-server`: the plug-in with no draft server answering at its address: every step decodes alone;
 - `hetero`: one real draft server serving, at once, a vLLM instance (the plug-in) and a llama.cpp
   target (`starsd target`, one thread), greedy; each checked against its own engine decoding alone.
@@ -42,7 +44,9 @@ from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, summary, write_json
 
 MODES = ("alone", "vllm-draft-2", "vllm-draft-4", "star-cohosted", "star-remote", "star-remote-x2",
-         "vllm-draft-4-x2", "oracle-2", "oracle-4", "hetero", "no-server")
+         "star-remote-nopredraft", "star-remote-x2-nopredraft", "vllm-draft-4-x2", "oracle-2", "oracle-4", "hetero",
+         "no-server")
+REMOTE = ("star-remote", "star-remote-x2", "star-remote-nopredraft", "star-remote-x2-nopredraft")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -110,10 +114,12 @@ class Bench:
             proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i], cohosted=cohosted, adaptive=adaptive)
             results[i] = self.run(temperature, spec, proposer)
 
-        before = query_stats(address) or {}
         threads = [threading.Thread(target=one, args=(i,)) for i in range(instances)]
         for t in threads:
             t.start()
+        while any(t.is_alive() for t in threads) and not self.drafting():  # the server's figures from vLLM's first
+            time.sleep(0.1)  # step on, not over the engine's start-up
+        before = query_stats(address) or {}
         for t in threads:
             t.join()
         after = query_stats(address) or {}
@@ -195,21 +201,22 @@ def main(args) -> int:
             finally:
                 star.close()
     greedy = runs.get("alone@0", [{}])[0]
-    remote = [m for m in ("star-remote", "star-remote-x2") if m in modes]
+    remote = [m for m in REMOTE if m in modes]
     if remote and greedy:
         paths = [(p, o) for p, o in zip(bench.prompt_ids, greedy["token_ids"])]
         draft = C.DraftConfig(depth=max(args.k, 8))
         rec_file = f"{base}-drafts.json"
         out["recording"] = {"file": rec_file, "cost_ms": record_drafts(set(os.sched_getaffinity(0)), pair, draft,
                                                                        paths, rec_file)}
-        star = start_server(server_pair, C.ServerConfig(predraft_cohosted=True), extra=["--recording", rec_file])
-        # (a host of its own: its idle time is not vLLM's cores, so it pre-drafts while vLLM verifies, as a
-        # real draft host does; on loopback the server takes vLLM for a target on its host)
-        try:
-            for m in remote:
-                record(m, 0.0, bench.star(0.0, star.address, instances=2 if m.endswith("x2") else 1, cohosted="no"))
-        finally:
-            star.close()
+        for m in remote:
+            # a host of its own: its idle time is not vLLM's cores, so it pre-drafts while vLLM verifies, as a
+            # real draft host does (on loopback the server would take vLLM for a target on its host)
+            cfg = C.ServerConfig(predraft_cohosted=True, predraft=not m.endswith("-nopredraft"))
+            star = start_server(server_pair, cfg, extra=["--recording", rec_file])
+            try:
+                record(m, 0.0, bench.star(0.0, star.address, instances=2 if "-x2" in m else 1, cohosted="no"))
+            finally:
+                star.close()
         oracles = {int(m.split("-")[1]): m for m in modes if m.startswith("oracle-")}
         if oracles:
             costs = {1: 1e3 / greedy["tokens_per_s"]}
