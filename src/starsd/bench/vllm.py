@@ -100,7 +100,7 @@ class Bench:
     def star(self, temperature: float, address: str, instances: int = 1, cohosted: str = "auto",
              adaptive: bool | None = None) -> list[dict]:
         """`instances` vLLM engines at once, each with StarSD's drafts from `address`; each's result with
-        the plug-in's counters and the server's utilisation over the run. `adaptive`: None, unless --fixed."""
+        the plug-in's counters and the server's figures from vLLM's first step on. `adaptive`: None, unless --fixed."""
         adaptive = not self.args.fixed if adaptive is None else adaptive
         from starsd.star.client import query_stats
 
@@ -294,7 +294,7 @@ def hetero(bench: Bench, address: str, alone: dict) -> dict:
     same_vllm = [a == b for a, b in zip(vllm["token_ids"], alone["token_ids"])]
     divergences = []  # llama.cpp's: where its batched and single-token kernels may round a near-tie apart
     for i, (a, b) in enumerate(zip(spec, plain)):
-        at = next((j for j, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), None)
+        at = parts_at(a["token_ids"], b["token_ids"])
         if at is not None:
             margin = llama_margin(bench.pair, bench.prompt_ids[i] + b["token_ids"][:at])
             divergences.append({"prompt": i, "at": at, "margin": margin, "near_tie": margin < NEAR_TIE})
@@ -307,6 +307,11 @@ def hetero(bench: Bench, address: str, alone: dict) -> dict:
                        f"{sum(same_llama)}/{len(same_llama)} equal to llama.cpp alone"
                        + "".join(f"; llama.cpp prompt {d['prompt']} parts at {d['at']}, margin {d['margin']:.3f}"
                                  for d in divergences)}
+
+
+def parts_at(got: list[int], want: list[int]) -> int | None:
+    """The first position where two outputs differ (None: none within the shorter)."""
+    return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
 
 
 def llama_margin(pair: C.PairConfig, ids: list[int]) -> float:
@@ -340,7 +345,7 @@ def checks(runs: dict) -> dict:
         parts = []
         for r in results:
             for i, (got, want) in enumerate(zip(r["token_ids"], ref["token_ids"])):
-                at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+                at = parts_at(got, want)
                 if at is not None:
                     top = ref["logprobs"][i][at]
                     parts.append({"prompt": i, "at": at, "margin": top[0][1] - top[1][1] if len(top) > 1 else None})

