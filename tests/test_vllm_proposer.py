@@ -2,6 +2,7 @@
 refusal met; no vLLM (its calls are made as vLLM's runner makes them, to a real draft server in this
 process)."""
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -123,3 +124,27 @@ def test_a_refused_row_decodes_alone_and_the_others_draft_on(server):
         tokens[0, n] = drafts[0][0]  # vLLM accepted the first drafted token
         tokens[1, n] = 500
     proposer.close()
+
+
+def test_a_requests_first_draft_which_ingests_its_prefix_is_no_drafts_cost(server):
+    """A row's first request carries its whole prefix: its wait is the server's ingest of the prompt as
+    well as a draft, and counted as a draft's cost it made every later draft look that much dearer. It is
+    not counted (the server's figure per level stands in); a later draft's wait is."""
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = Proposer(vllm_config, ProposerSettings(connect=server, timeout_s=10.0), fingerprint=FP)
+    tokens = np.zeros((1, 128), dtype=np.int64)
+    n = 60
+    tokens[0, :n] = np.arange(n) % 100 + 1
+    waited = []
+    for step in range(8):
+        time.sleep(0.05)  # vLLM's pass: what a draft saves is weighed against it
+        drafts = proposer.propose([[int(tokens[0, n - 1])]], np.array([n]), tokens)
+        policy = proposer.streams[0].policy
+        waited.append((bool(drafts[0]), sum(map(len, policy.draft_ms.samples.values()))))
+        tokens[0, n] = (tokens[0, n - 1] + 7) % 100 + 1  # vLLM took none of the draft: its own token
+        n += 1
+    proposer.close()
+    assert waited[0] == (True, 0)  # the first draft, with the prompt's ingest: given, not counted
+    drafted_later = [i for i, (given, _) in enumerate(waited) if given and i > 0]
+    assert drafted_later and waited[drafted_later[0] + 1][1] == 1  # the next waited draft: counted at the step after
