@@ -511,3 +511,25 @@ def test_each_request_says_where_its_chain_stops(make_server, tiny_drafters):
             got.append(c.receive_draft()[1][0].tolist())
         c.close()
         assert got == want[stop], stop
+
+
+
+
+def test_requests_announced_together_are_drafted_together(make_server):
+    """Three sessions whose requests go out one after another, each saying how many follow it (as the
+    vLLM plug-in sends its rows'): the server waits for the rest before a batch and drafts each round
+    in one batch of three, not the first alone and the rest after it."""
+    server, address = make_server(predraft=False)
+    clients = [client(address) for _ in range(3)]
+    rounds = 6
+    for r in range(rounds):
+        for i, c in enumerate(clients):
+            tok = torch.tensor([10 * i + r + 1] * (3 if r == 0 else 1), dtype=torch.int32)
+            c._send(*P.draft_request(c.tag, c.step, tok, 50, *(CHAIN if r == 0 else (None, None)), more=2 - i))
+            c.step += 1
+            time.sleep(0.001)  # the plug-in's own work for the next row
+        for c in clients:
+            assert len(c._receive(P.DraftReply)[1][0]) == 3
+    sizes = server.stats.snapshot(len(server.sessions))["batch_sizes"]
+    assert sizes.get("3", 0) >= rounds - 2, sizes  # (a loaded machine may part a round now and then:
+    # GATHER_S between two requests at most)

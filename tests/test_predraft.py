@@ -222,3 +222,17 @@ def test_recent_busy_reads_only_the_last_seconds(monkeypatch):
     stats.batch(now - 0.4, now - 0.2, 2)
     assert stats.recent_busy(2.0) == pytest.approx(0.6)
     assert stats.recent_busy(1.0) == pytest.approx(0.7)  # 0.5 of the first recent batch, 0.2 of the next
+
+
+
+def test_sessions_whose_requests_come_together_are_predrafted_in_one_batch():
+    """The likeliest outcome over all sessions, and with it the likeliest of each session whose last
+    request came in one group with its session's (an engine's batch of rows); not of one apart."""
+    def session(tag, group, shortfall):
+        return Session(tag, b"p%d" % tag, "t", draft=CHAIN, sampling=GREEDY, last_chain=[1, 2, 3],
+                       last_second=[4, 5, 6], budget=4, shortfall=shortfall, group=group)
+
+    row0, row1, apart = session(1, 7, [0.0, 3.0]), session(2, 7, [1.0, 1.0]), session(3, 8, [1.0, 0.0, 3.0])
+    assert [(s.tag, short) for s, short in ahead.cohort_plan([row0, row1, apart])] == [(1, 1), (2, 0)]
+    assert [(s.tag, short) for s, short in ahead.plan([row0, row1, apart])] == [(1, 1)]  # one at a time else
+    assert [(s.tag, short) for s, short in ahead.cohort_plan([apart, row1])] == [(3, 2)]  # alone in its group

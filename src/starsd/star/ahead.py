@@ -13,7 +13,13 @@ They are drafted one batch of ROWS at a time, the likeliest first over every idl
 many tokens short of the whole chain each session's requests have come, `observe`), up to OUTCOMES
 per session: the first is ready soonest, and a request that comes meanwhile loses only the batch in
 progress (a batch of four drafted to full depth took longer than the target's verify pass, and
-most requests found it unfinished). A request that
+most requests found it unfinished). Unless the sessions' requests come together (`together`: one
+engine's batch of rows, which says so in its requests (DraftRequest.more), and whose next requests
+come together again): then
+the likeliest outcome of each of them, COHORT_ROWS at most, is drafted in one batch, which costs
+little more than one (a level of 3 streams, 1.19 times one stream's with the 0.5B draft on an AMX
+Xeon's 2 cores) and is ready when they all come. One at a time, the draft server covered fewer than
+one outcome of each of vLLM's 3 rows per verify pass, and half their requests missed. A request that
 brings exactly the tokens of an outcome is answered at once from it; any other is drafted as
 usual and the pre-drafts are dropped. Each pre-draft is as deep as the session's last request
 asked, and one level more (the target's depth policy looks deeper now and then): a pre-draft the
@@ -43,6 +49,7 @@ from starsd.config import MAX_DRAFT_DEPTH
 from starsd.models.drafter import DraftJob, Drafter, DraftSequence
 
 ROWS = 1  # pre-drafts batched together, over all sessions
+COHORT_ROWS = 4  # pre-drafts batched together, over sessions whose requests come together
 OUTCOMES = 4  # pre-drafts per session at most
 LOOKBACK_S = 2.0
 MAX_BUSY = 0.8  # of the last LOOKBACK_S seconds spent drafting: beyond it, no pre-drafting
@@ -97,6 +104,23 @@ def plan(sessions: list, rows: int = ROWS) -> list[tuple]:
             mine.append((-seen, short))
         options += [(rank, *o, id(s), s) for rank, o in enumerate(sorted(mine), start=len(done))]
     return [(s, short) for _, _, short, _, s in sorted(options, key=lambda o: o[:4])[:rows]]
+
+
+def together(sessions: list, s) -> list:
+    """The sessions whose last requests came in one batch of their sender's with s's (s among them)."""
+    return [c for c in sessions if c.group == s.group]
+
+
+def cohort_plan(sessions: list) -> list[tuple]:
+    """The next batch of pre-drafts: the likeliest outcome over every session (plan), and the likeliest of
+    each session whose requests came with its session's, COHORT_ROWS at most."""
+    first = plan(sessions)
+    if not first:
+        return []
+    s0 = first[0][0]
+    others = [o for c in together(sessions, s0) if c is not s0 for o in plan([c])]
+    return first + others[:COHORT_ROWS - 1]
+
 
 
 def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> bool:

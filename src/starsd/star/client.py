@@ -302,14 +302,15 @@ class DraftClient:
 
     def send_draft(self, tokens: list[int], budget: int, draft: DraftConfig | None = None,
                    sampling: SamplingConfig | None = None, features: tuple[torch.Tensor, ...] = (),
-                   stop: float = -1.0) -> None:
+                   stop: float = -1.0, more: int = 0) -> None:
         """The first half of draft(): the request goes out; receive_draft() must come before the next.
         `features`: the tokens' target features as protocol.features_to_wire gives them; `stop`: where
-        the draft's chain stops (-1: the session's min_path_prob)."""
+        the draft's chain stops (-1: the session's min_path_prob); `more`: requests of this process's
+        that follow it at once, at most (protocol.DraftRequest)."""
         if draft is not None:  # a reset
             self.step += 1
         self._send(*P.draft_request(self.tag, self.step, torch.tensor(tokens, dtype=torch.int32), budget, draft,
-                                    sampling, features, stop))
+                                    sampling, features, stop, more))
 
     def receive_draft(self, until: float | None = None) -> tuple[P.DraftReply, tuple] | None:
         """The second half of draft(): the reply to the request sent last. With `until` (monotonic

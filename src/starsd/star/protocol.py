@@ -41,11 +41,11 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 8  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+PROTOCOL_VERSION = 9  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
 # travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
 # level_ms; 5: and its sessions of targets on its own host (`local`); 6: a draft request may say where its chain
 # stops (`stop`: the stream's depth policy chooses it per step); 7: Welcome says the server's ingest_ms; 8: Welcome
-# and Pong say its wait_ms
+# and Pong say its wait_ms; 9: a draft request may say that more of its sender's follow at once (`more`)
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -58,6 +58,7 @@ MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
 MAX_ADDRESS_CHARS = 256  # a ZeroMQ address in a DraftMoved
 MAX_MESSAGES = 1 << 14  # a Generate's chat messages: each costs template tokens, so more fit no context
+MAX_MORE = 1 << 16  # a draft request's `more`
 # Every variable-length part of a header is bounded in its type, so that msgspec refuses an
 # oversized one before building it: a header of millions of tiny items (tensor specs, a shape's
 # dimensions, messages) used to cost the IO thread seconds and gigabytes, and came back quoted
@@ -140,6 +141,8 @@ class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
     budget: int  # tokens the target may still emit: no point drafting deeper than budget - 1
     tensors: TensorSpecs  # tokens int32 [m]; for an EAGLE head, features [m, F] (bf16, or uint8 and scales [m, 2])
     stop: float = -1.0  # this draft's min_path_prob, in [0, 1) (-1: the session's own, as its settings say)
+    more: int = 0  # requests of its sender that go out right after it, at most (an engine's batch of rows,
+    # one session each): the server may wait a moment for them and draft them in one batch
 
 
 class DraftReply(msgspec.Struct, array_like=True, frozen=True):
@@ -288,13 +291,14 @@ def specs(*tensors: torch.Tensor) -> tuple[TensorSpec, ...]:
 
 def draft_request(tag: int, step: int, tokens: torch.Tensor, budget: int, draft: DraftConfig | None = None,
                   sampling: SamplingConfig | None = None, extra: tuple[torch.Tensor, ...] = (),
-                  stop: float = -1.0) -> tuple[DraftRequest, tuple[torch.Tensor, ...]]:
+                  stop: float = -1.0, more: int = 0) -> tuple[DraftRequest, tuple[torch.Tensor, ...]]:
     """A DraftRequest and its tensors (tokens int32 [m], then `extra`: an EAGLE head's features),
     for `encode`: a reset (a new stream, `tokens` its whole sequence) when it carries settings;
-    `stop`: where its chain stops (-1: the session's min_path_prob). The one builder of the client,
+    `stop`: where its chain stops (-1: the session's min_path_prob); `more`: requests of this sender that
+    follow it at once, at most (DraftRequest). The one builder of the client,
     the soak and the fuzzer."""
     tensors = (tokens, *extra)
-    return DraftRequest(tag, step, draft is not None, draft, sampling, budget, specs(*tensors), stop), tensors
+    return DraftRequest(tag, step, draft is not None, draft, sampling, budget, specs(*tensors), stop, more), tensors
 
 
 def _buffer(t: torch.Tensor):
@@ -492,6 +496,8 @@ def validate(msg: msgspec.Struct, tensors: tuple[torch.Tensor, ...]) -> None:
             raise ProtocolError("bad_request", f"budget must be >= 1, not {msg.budget}")
         if msg.stop != -1.0 and not (math.isfinite(msg.stop) and 0 <= msg.stop < 1):
             raise ProtocolError("bad_request", f"stop must be in [0, 1), or -1 for the session's, not {msg.stop}")
+        if not 0 <= msg.more <= MAX_MORE:
+            raise ProtocolError("bad_request", f"more must be in [0, {MAX_MORE}], not {msg.more}")
     elif isinstance(msg, Generate):
         if (msg.prompt is None) == (msg.messages is None):
             raise ProtocolError("bad_request", "a generate request carries a prompt or messages, not both")

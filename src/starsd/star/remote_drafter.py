@@ -236,7 +236,7 @@ class RemoteDrafter:
 
     def propose(self, seq: RemoteSequence, new_tokens: list[int], cfg: DraftConfig, sampling: SamplingConfig,
                 generator=None, max_depth: int = 1 << 30, deadline_ms: float | None = None,
-                features: torch.Tensor | None = None) -> DraftTree:
+                features: torch.Tensor | None = None, more: int = 0) -> DraftTree:
         """`generator` is unused: a sampled draft draws from the server's per-session generator,
         seeded as the co-located drafter's is, so seeded runs match. A draft that has not come
         within `deadline_ms` (spec/depth.py; 0: ask without waiting) gives an empty draft; its
@@ -245,7 +245,8 @@ class RemoteDrafter:
         draft (DraftTree.follow; `seq.behind` says how many tokens late it is), else it is dropped
         and the next request goes out. `features`: for an EAGLE head, the target's features of the
         new tokens (spec/decode.py); a stream that began without them, or for another head,
-        decodes alone."""
+        decodes alone. `more`: other streams' requests this process sends right after this one, at
+        most (the server may wait for them and draft them in one batch: protocol.DraftRequest)."""
         seq.tokens.extend(new_tokens)
         seq.behind = 0  # until a late draft is taken below: whatever this call returns is not one
         if features is not None:
@@ -261,7 +262,7 @@ class RemoteDrafter:
             return DraftTree.empty()
         for attempt in range(2):
             try:
-                reply, tree = self._request(seq, cfg, sampling, budget, until)
+                reply, tree = self._request(seq, cfg, sampling, budget, until, more)
                 break
             except Late:
                 if deadline_ms == 0:
@@ -409,7 +410,7 @@ class RemoteDrafter:
         return True
 
     def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int,
-                 until: float | None) -> tuple[P.DraftReply, DraftTree]:
+                 until: float | None, more: int = 0) -> tuple[P.DraftReply, DraftTree]:
         if seq.pending:  # a request is in flight (start()'s reset, or a draft that came late): its reply first
             reply, tensors = self._settle(seq, until)
             if seq.sent < len(seq.tokens):
@@ -420,9 +421,9 @@ class RemoteDrafter:
                 return reply, tree
         features = () if seq.taps is None else seq.feature_rows(seq.sent, cfg.feature_bits)
         if seq.sent == 0:  # the step's cfg says where its chain stops (the policy's choice, spec/decode.py)
-            self.client.send_draft(seq.tokens, budget, cfg, sampling, features, cfg.min_path_prob)
+            self.client.send_draft(seq.tokens, budget, cfg, sampling, features, cfg.min_path_prob, more)
         else:
-            self.client.send_draft(seq.tokens[seq.sent:], budget, features=features, stop=cfg.min_path_prob)
+            self.client.send_draft(seq.tokens[seq.sent:], budget, features=features, stop=cfg.min_path_prob, more=more)
         seq.pending = len(seq.tokens)
         seq.pending_since = time.monotonic()
         reply, tensors = self._settle(seq, until)

@@ -61,6 +61,8 @@ class Session:
     # chain they came, recent ones weighing more (ahead.observe)
     ahead: dict[tuple[int, ...], Outcome] | None = None  # pre-drafts of its next request, by the tokens it brings
     last_seen: float = field(default_factory=time.monotonic)  # its last request (compute loop)
+    group: int = 0  # the batch of requests its last one came in, as their sender announced them
+    # (DraftRequest.more; DraftServer._join): sessions of one group come together
     pinged: float = 0.0  # its last heartbeat (monotonic s); written by the IO thread only
 
 

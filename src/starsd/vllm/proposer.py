@@ -134,10 +134,12 @@ class Proposer:
                 self.counters.accepted += min(stream.asked, len(sampled_token_ids[i]) - 1)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         waits = {}
-        for i, stream in taken.items():  # every request goes out before any reply is waited for
+        for n, (i, stream) in enumerate(taken.items()):  # every request goes out before any reply is waited for,
+            # each saying how many may follow it at once: the server drafts them in one batch
             left = self.max_len - len(rows[i]) - 1  # tokens the row may still emit, at most (its request's own
             # max_tokens is not said): the policy weighs a first draft's ingest against them, and drafts at most k
-            drafts[i], waits[i] = self._alone_on_error(stream, ([], None), self._ask, stream, rows[i], left)
+            drafts[i], waits[i] = self._alone_on_error(stream, ([], None), self._ask, stream, rows[i], left,
+                                                       len(taken) - n - 1)
         for i, deadline_ms in waits.items():
             if deadline_ms is not None:
                 drafts[i] = self._alone_on_error(taken[i], [], self._wait, taken[i], deadline_ms, started)
@@ -220,9 +222,10 @@ class Proposer:
             stream.policy.observe(stream.asked, min(accepted, stream.asked), stream.draft_ms, stream.asked + 1,
                                   step_ms, asked=stream.asked_for)
 
-    def _ask(self, stream: Stream, tokens: list[int], left: int) -> tuple[list[int], float | None]:
+    def _ask(self, stream: Stream, tokens: list[int], left: int, more: int) -> tuple[list[int], float | None]:
         """This step's request of one stream, sent without waiting: (a draft already here, or []; the
-        deadline to wait for one, None: not waited for). `left`: tokens the row may still emit."""
+        deadline to wait for one, None: not waited for). `left`: tokens the row may still emit; `more`:
+        the rows whose requests may follow it."""
         policy, drafter, seq = stream.policy, stream.drafter, stream.seq
         new = tokens[len(seq.tokens):]
         stream.held = tokens
@@ -245,7 +248,7 @@ class Proposer:
             return [], None
         stream.cfg = replace(self.cfg, min_path_prob=policy.stop()) if self.settings.adaptive else self.cfg
         stream.ingests = seq.sent == 0 and not seq.pending
-        tree = drafter.propose(seq, new, stream.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0)
+        tree = drafter.propose(seq, new, stream.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0, more=more)
         policy.holds = True
         if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
             return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
