@@ -148,3 +148,29 @@ def test_a_requests_first_draft_which_ingests_its_prefix_is_no_drafts_cost(serve
     assert waited[0] == (True, 0)  # the first draft, with the prompt's ingest: given, not counted
     drafted_later = [i for i, (given, _) in enumerate(waited) if given and i > 0]
     assert drafted_later and waited[drafted_later[0] + 1][1] == 1  # the next waited draft: counted at the step after
+
+
+
+def test_an_engines_own_rows_are_not_each_others_neighbours(server):
+    """A co-hosted server's compute slows the other targets on its host (a stream charges it to each),
+    but not the other rows of the same vLLM engine: they wait for their drafts together, and each row's
+    wait already holds the batch's compute. Another engine's rows are neighbours."""
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                                  model_config=SimpleNamespace(max_model_len=256))
+    settings = ProposerSettings(connect=server, timeout_s=10.0, cohosted="yes")
+    mine, other = (Proposer(vllm_config, settings, fingerprint=FP) for _ in range(2))
+    tokens = np.tile(np.arange(1, 65, dtype=np.int64), (4, 1))
+    tokens[:, 5] = [7, 8, 9, 10]  # four requests: three in one engine, one in the other
+
+    def step(n):
+        mine.propose([[int(tokens[i, n - 1])] for i in range(3)], np.array([n] * 3), tokens[:3])
+        other.propose([[int(tokens[3, n - 1])]], np.array([n]), tokens[3:])
+
+    step(6)
+    time.sleep(0.6)  # heartbeats: each session hears that the server has 4 on its host
+    step(7)
+    assert [st.drafter.neighbours for st in mine.streams + other.streams] == [3, 3, 3, 3]
+    assert [st.policy.neighbours for st in mine.streams] == [1, 1, 1]  # the other engine's row
+    assert [st.policy.neighbours for st in other.streams] == [3]
+    mine.close()
+    other.close()

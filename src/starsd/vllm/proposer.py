@@ -231,7 +231,7 @@ class Proposer:
         stream.held = tokens
         policy.unsent = len(new) if policy.holds else len(tokens)
         policy.server_ms = drafter.server_ms
-        policy.neighbours = drafter.neighbours
+        policy.neighbours = max(0, drafter.neighbours - self._beside(stream))
         policy.cohosted = drafter.cohosted
         policy.inline = not drafter.asynchronous
         limit = min(self.k, left)
@@ -255,6 +255,15 @@ class Proposer:
         if not depth:
             return [], None
         return [], policy.deadline_ms(depth) if self.settings.adaptive else self.settings.timeout_s * 1e3
+
+    def _beside(self, stream: Stream) -> int:
+        """This engine's other streams on the stream's draft server. A co-hosted server's sessions of
+        targets on its host are each a target that its compute slows (spec/depth.py, `neighbours`), but
+        not these: vLLM's rows wait for their drafts together, and each row's wait holds the whole
+        batch's compute already. Counted as neighbours, they made a draft of vLLM's 3 rows look three
+        times its cost."""
+        here = stream.drafter.client.address
+        return sum(1 for st in self.streams if st is not stream and st.drafter.client.address == here)
 
     def _wait(self, stream: Stream, deadline_ms: float, started: float) -> list[int]:
         """The reply to this step's request, waited for until its deadline (counted from the step's start)."""
