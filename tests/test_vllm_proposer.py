@@ -174,3 +174,17 @@ def test_an_engines_own_rows_are_not_each_others_neighbours(server):
     assert [st.policy.neighbours for st in other.streams] == [3]
     mine.close()
     other.close()
+
+
+def test_an_engine_preloads_its_venvs_intel_openmp(tmp_path):
+    """vLLM's CPU build wants its venv's libiomp5 preloaded. A venv's python is a link to the base
+    interpreter: the library is found beside the venv's own bin, not the base's."""
+    import sys
+
+    from starsd.bench.vllm_runs import engine_env
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    assert engine_env(str(tmp_path / "bin" / "python"))["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")

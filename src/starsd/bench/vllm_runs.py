@@ -29,7 +29,8 @@ def engine_env(python: str, proposer: ProposerSettings | None = None, kv_cache_g
     """The environment a vLLM engine runs in: its venv's Intel OpenMP preloaded (vLLM's CPU build asks for
     it, or its speculation slows), a KV cache of `kv_cache_gib`, and the proposer's settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("STARSD_") or k == "STARSD_CACHE"}
-    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    iomp = Path(os.path.abspath(python)).parent.parent / "lib" / "libiomp5.so"  # (the venv's: a venv's python
+    # is a link to the base interpreter, which resolved it did not find, and vLLM fell back on torch's libgomp)
     if iomp.is_file():
         env["LD_PRELOAD"] = str(iomp)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
