@@ -14,12 +14,11 @@ many tokens short of the whole chain each session's requests have come, `observe
 per session: the first is ready soonest, and a request that comes meanwhile loses only the batch in
 progress (a batch of four drafted to full depth took longer than the target's verify pass, and
 most requests found it unfinished). Unless the sessions' requests come together (`together`: one
-engine's batch of rows, which says so in its requests (DraftRequest.more), and whose next requests
-come together again): then
-the likeliest outcome of each of them, COHORT_ROWS at most, is drafted in one batch, which costs
-little more than one (a level of 3 streams, 1.19 times one stream's with the 0.5B draft on an AMX
-Xeon's 2 cores) and is ready when they all come. One at a time, the draft server covered fewer than
-one outcome of each of vLLM's 3 rows per verify pass, and half their requests missed. A request that
+engine's batch of rows, which says so in its requests, DraftRequest.more, and whose next requests
+come together again): then the likeliest outcome of each of them, COHORT_ROWS at most, is drafted in
+one batch, which costs little more than one (a level of 3 streams, 1.19 times one stream's with the
+0.5B draft on an AMX Xeon's 2 cores) and is ready when they all come. One at a time, the draft
+server covered fewer than one outcome of each of vLLM's 3 rows per verify pass. A request that
 brings exactly the tokens of an outcome is answered at once from it; any other is drafted as
 usual and the pre-drafts are dropped. Each pre-draft is as deep as the session's last request
 asked, and one level more (the target's depth policy looks deeper now and then): a pre-draft the
@@ -120,7 +119,6 @@ def cohort_plan(sessions: list) -> list[tuple]:
     s0 = first[0][0]
     others = [o for c in together(sessions, s0) if c is not s0 for o in plan([c])]
     return first + others[:COHORT_ROWS - 1]
-
 
 
 def predraft(drafter: Drafter, todo: list[tuple], stop=None) -> bool:

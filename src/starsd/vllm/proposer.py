@@ -16,6 +16,7 @@ or refuses gives empty drafts for that step, and vLLM decodes on.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -96,6 +97,7 @@ class Proposer:
         self.step = 0  # propose() calls so far
         self.returned: float | None = None  # when the last propose() returned (perf_counter s)
         self.counters = Counters(repaired=self.repaired)
+        self.on_server: collections.Counter = collections.Counter()  # this engine's streams by draft server, this step
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls it for every proposer: the model is on the draft server."""
@@ -134,6 +136,11 @@ class Proposer:
                 self.counters.accepted += min(stream.asked, len(sampled_token_ids[i]) - 1)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         waits = {}
+        # A co-hosted server's sessions of targets on its host are each a target its compute slows
+        # (spec/depth.py, `neighbours`), but not this engine's own rows: they wait for their drafts
+        # together, and each row's wait holds the batch's compute already. Counted as neighbours, they
+        # made a draft of vLLM's 3 rows look three times its cost.
+        self.on_server = collections.Counter(st.drafter.client.address for st in self.streams)
         for n, (i, stream) in enumerate(taken.items()):  # every request goes out before any reply is waited for,
             # each saying how many may follow it at once: the server drafts them in one batch
             left = self.max_len - len(rows[i]) - 1  # tokens the row may still emit, at most (its request's own
@@ -231,7 +238,7 @@ class Proposer:
         stream.held = tokens
         policy.unsent = len(new) if policy.holds else len(tokens)
         policy.server_ms = drafter.server_ms
-        policy.neighbours = max(0, drafter.neighbours - self._beside(stream))
+        policy.neighbours = max(0, drafter.neighbours - (self.on_server[drafter.client.address] - 1))
         policy.cohosted = drafter.cohosted
         policy.inline = not drafter.asynchronous
         limit = min(self.k, left)
@@ -255,15 +262,6 @@ class Proposer:
         if not depth:
             return [], None
         return [], policy.deadline_ms(depth) if self.settings.adaptive else self.settings.timeout_s * 1e3
-
-    def _beside(self, stream: Stream) -> int:
-        """This engine's other streams on the stream's draft server. A co-hosted server's sessions of
-        targets on its host are each a target that its compute slows (spec/depth.py, `neighbours`), but
-        not these: vLLM's rows wait for their drafts together, and each row's wait holds the whole
-        batch's compute already. Counted as neighbours, they made a draft of vLLM's 3 rows look three
-        times its cost."""
-        here = stream.drafter.client.address
-        return sum(1 for st in self.streams if st is not stream and st.drafter.client.address == here)
 
     def _wait(self, stream: Stream, deadline_ms: float, started: float) -> list[int]:
         """The reply to this step's request, waited for until its deadline (counted from the step's start)."""
