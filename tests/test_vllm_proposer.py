@@ -136,18 +136,18 @@ def test_a_requests_first_draft_which_ingests_its_prefix_is_no_drafts_cost(serve
     tokens = np.zeros((1, 128), dtype=np.int64)
     n = 60
     tokens[0, :n] = np.arange(n) % 100 + 1
-    waited = []
+    steps = []  # (a draft given, its wait as the stream will count it, draft costs counted so far)
     for step in range(8):
         time.sleep(0.05)  # vLLM's pass: what a draft saves is weighed against it
         drafts = proposer.propose([[int(tokens[0, n - 1])]], np.array([n]), tokens)
-        policy = proposer.streams[0].policy
-        waited.append((bool(drafts[0]), sum(map(len, policy.draft_ms.samples.values()))))
+        stream = proposer.streams[0]
+        steps.append((bool(drafts[0]), stream.draft_ms, sum(map(len, stream.policy.draft_ms.samples.values()))))
         tokens[0, n] = (tokens[0, n - 1] + 7) % 100 + 1  # vLLM took none of the draft: its own token
         n += 1
     proposer.close()
-    assert waited[0] == (True, 0)  # the first draft, with the prompt's ingest: given, not counted
-    drafted_later = [i for i, (given, _) in enumerate(waited) if given and i > 0]
-    assert drafted_later and waited[drafted_later[0] + 1][1] == 1  # the next waited draft: counted at the step after
+    assert steps[0][:2] == (True, None) and steps[1][2] == 0  # the first draft, with the prompt's ingest: not counted
+    for (_, wait, before), (_, _, after) in zip(steps[1:], steps[2:]):
+        assert after == before + (wait is not None)  # a later draft waited for is counted at the next step
 
 
 
@@ -167,9 +167,12 @@ def test_an_engines_own_rows_are_not_each_others_neighbours(server):
         other.propose([[int(tokens[3, n - 1])]], np.array([n]), tokens[3:])
 
     step(6)
-    time.sleep(0.6)  # heartbeats: each session hears that the server has 4 on its host
+    streams = mine.streams + other.streams
+    until = time.monotonic() + 10
+    while any(st.drafter.neighbours != 3 for st in streams) and time.monotonic() < until:
+        time.sleep(0.05)  # heartbeats: each session hears that the server has 4 on its host
     step(7)
-    assert [st.drafter.neighbours for st in mine.streams + other.streams] == [3, 3, 3, 3]
+    assert [st.drafter.neighbours for st in streams] == [3, 3, 3, 3]
     assert [st.policy.neighbours for st in mine.streams] == [1, 1, 1]  # the other engine's row
     assert [st.policy.neighbours for st in other.streams] == [3]
     mine.close()
