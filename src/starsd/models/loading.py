@@ -59,8 +59,12 @@ def load_model(cfg: ModelConfig, cache: str | None = None) -> torch.nn.Module:
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Dynamic int8 weights (float32 activations) for every linear layer: ~3x faster draft passes
-    on a CPU, and lossless for a draft, since the target verifies every token.
+    """Dynamic int8 weights (float32 activations) for every linear layer, a scale per output channel:
+    ~3x faster draft passes on a CPU, and lossless for a draft, since the target verifies every token.
+    One scale for a whole layer, as before, cost the 0.5B draft a tenth of its accepted tokens, at
+    the same speed: tokens accepted a step of 4 drafted, per layer / per channel / float32, 2.79 /
+    3.07 / 3.01 against the llama.cpp target (HumanEval 30-35, chat 8-11, 96 tokens each) and
+    2.59 / 2.78 / 2.93 against vLLM's bf16 one (HumanEval 20-22).
 
     torch 2.13 marks torch.ao.quantization deprecated in favour of torchao. torchao 0.18 measured
     5-9x slower than this path for the 0.5B draft on this CPU (AVX2, eager: one decode step 467 ms
@@ -69,8 +73,10 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated")
         warnings.filterwarnings("ignore", message=r".*quantize_per_tensor.*")
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
         # in place: each float32 layer is dropped as soon as its int8 twin exists (2 GiB less peak for the 0.5B draft)
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8,
+                                                      inplace=True)
 
 
 def _not_found(path: str, e: Exception) -> str:
