@@ -175,6 +175,25 @@ def test_int8_quantised_draft_is_lossless(tiny_target):
             assert speculative(tiny_target, quantised, prompt, 30, draft, GREEDY).token_ids == ref.token_ids
 
 
+def test_int8_draft_weights_keep_a_scale_per_output_channel(tiny_target):
+    """One scale for a whole layer rounds its small rows away beside a large one (the 0.5B draft lost a
+    tenth of its accepted tokens so); each output channel has its own scale."""
+    import copy
+
+    from starsd.models.loading import quantize_int8
+
+    model = copy.deepcopy(tiny_target.model).float()
+    layer = model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        layer.weight[0] *= 100.0  # one row far larger than the rest
+    small = layer.weight[1:].detach().clone()
+    quantize_int8(model)
+    weight = model.model.layers[0].mlp.down_proj.weight()
+    assert weight.qscheme() == torch.per_channel_affine
+    error = (weight.dequantize()[1:] - small).abs().max() / small.abs().max()
+    assert error < 0.01  # one scale per layer: a step of 100/127 of the small rows' largest weight
+
+
 def test_a_failed_score_leaves_the_cache_as_it_was(tiny_target, monkeypatch):
     """A forward pass that fails part-way used to leave the layers before the failure with extra
     cache entries; the sequence then scored its next draft against a corrupted cache."""
