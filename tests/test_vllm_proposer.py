@@ -150,7 +150,6 @@ def test_a_requests_first_draft_which_ingests_its_prefix_is_no_drafts_cost(serve
         assert after == before + (wait is not None)  # a later draft waited for is counted at the next step
 
 
-
 def test_an_engines_own_rows_are_not_each_others_neighbours(server):
     """A co-hosted server's compute slows the other targets on its host (a stream charges it to each),
     but not the other rows of the same vLLM engine: they wait for their drafts together, and each row's
