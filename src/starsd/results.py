@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,11 +23,35 @@ OUT = Console()  # results
 
 
 def write_json(path: str | Path, result: dict) -> None:
+    """`result` with what traces it: when, the command, the commit and the CPU it ran on."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "machine": platform.machine()}
+    meta = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "machine": platform.machine(),
+            "command": " ".join(["starsd", *sys.argv[1:]]), "commit": commit(), "cpu": cpu_model()}
     path.write_text(json.dumps({"meta": meta, **result}, indent=1))
     print(f"wrote {path}")
+
+
+def commit() -> str | None:
+    """The source's git commit, `+dirty` where files differ from it (None outside a checkout)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _pyplot():
