@@ -112,7 +112,7 @@ def test_a_refused_row_decodes_alone_and_the_others_draft_on(server):
     and the next step drafts again."""
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
                                   model_config=SimpleNamespace(max_model_len=256))
-    proposer = Proposer(vllm_config, ProposerSettings(connect=server, timeout_s=10.0, adaptive=False), fingerprint=FP)
+    proposer = Proposer(vllm_config, ProposerSettings(connect=server, timeout_s=10.0, adaptive=False, cohosted_drafts=True), fingerprint=FP)
     tokens = np.zeros((2, 64), dtype=np.int64)
     tokens[0, :6] = [1, 2, 3, 4, 5, 6]
     tokens[1, :6] = [1, 2, 3, 4, 5, 500]
@@ -132,7 +132,8 @@ def test_a_requests_first_draft_which_ingests_its_prefix_is_no_drafts_cost(serve
     not counted (the server's figure per level stands in); a later draft's wait is."""
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
                                   model_config=SimpleNamespace(max_model_len=256))
-    proposer = Proposer(vllm_config, ProposerSettings(connect=server, timeout_s=10.0), fingerprint=FP)
+    proposer = Proposer(vllm_config, ProposerSettings(connect=server, timeout_s=10.0, cohosted_drafts=True),
+                        fingerprint=FP)
     tokens = np.zeros((1, 128), dtype=np.int64)
     n = 60
     tokens[0, :n] = np.arange(n) % 100 + 1
@@ -156,7 +157,7 @@ def test_an_engines_own_rows_are_not_each_others_neighbours(server):
     wait already holds the batch's compute. Another engine's rows are neighbours."""
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
                                   model_config=SimpleNamespace(max_model_len=256))
-    settings = ProposerSettings(connect=server, timeout_s=10.0, cohosted="yes")
+    settings = ProposerSettings(connect=server, timeout_s=10.0, cohosted="yes", cohosted_drafts=True)
     mine, other = (Proposer(vllm_config, settings, fingerprint=FP) for _ in range(2))
     tokens = np.tile(np.arange(1, 65, dtype=np.int64), (4, 1))
     tokens[:, 5] = [7, 8, 9, 10]  # four requests: three in one engine, one in the other
@@ -190,3 +191,26 @@ def test_an_engine_preloads_its_venvs_intel_openmp(tmp_path):
     (tmp_path / "bin" / "python").symlink_to(sys.executable)
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     assert engine_env(str(tmp_path / "bin" / "python"))["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+
+
+def test_beside_a_server_on_its_own_cores_vllm_decodes_alone_unless_told(server, caplog):
+    """A draft server on this host computes on vLLM's cores: by default the plug-in opens no session
+    and gives every row an empty draft, saying why once; STARSD_COHOSTED=no (the server has cores of
+    its own) or STARSD_COHOSTED_DRAFTS drafts."""
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                                  model_config=SimpleNamespace(max_model_len=256))
+    tokens = np.tile(np.arange(1, 65, dtype=np.int64), (2, 1))
+
+    def drafts(settings: ProposerSettings) -> list[list[int]]:
+        proposer = Proposer(vllm_config, settings, fingerprint=FP)
+        try:
+            return proposer.propose([[6], [6]], np.array([6, 6]), tokens), proposer.counters.sessions
+        finally:
+            proposer.close()
+
+    with caplog.at_level("WARNING", logger="starsd.vllm"):
+        assert drafts(ProposerSettings(connect=server, timeout_s=10.0, adaptive=False)) == ([[], []], 0)
+    assert "decodes alone" in caplog.text and "STARSD_COHOSTED=no" in caplog.text
+    for told in ({"cohosted": "no"}, {"cohosted_drafts": True}):
+        got, sessions = drafts(ProposerSettings(connect=server, timeout_s=10.0, adaptive=False, **told))
+        assert all(got) and sessions == 2, told

