@@ -524,6 +524,8 @@ BENCHES = {  # name: (help, module with add_args and main)
               "starsd.bench.serve"),
     "gateway": ("the gateway's added latency: a whole request, TTFT and the time per streamed chunk through it "
                 "(kept alive) against its target server asked directly", "starsd.bench.gateway"),
+    "vllm-serve": ("`vllm serve` with StarSD's drafts, as the README runs it, against `vllm serve` alone, timed at "
+                   "the client over several runs", "starsd.bench.vllm_serve"),
     "vllm": ("vLLM with StarSD's drafts (its proposer plug-in) against vLLM alone and vLLM's own draft-model "
              "speculation, co-hosted and from a draft host of its own", "starsd.bench.vllm"),
     "multihost": ("the scaling benchmark across emulated hosts (netns, veth, delay, bandwidth)",

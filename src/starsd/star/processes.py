@@ -38,6 +38,19 @@ def spawn(args: list[str], prefix: list[str] = (), stderr=None, env: dict | None
                             stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=_die_with_parent, env=env)
 
 
+def stop_group(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Stop a child started in a session of its own (`start_new_session`) and everything it started:
+    SIGINT to its process group, as Ctrl-C would, then SIGKILL after `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def read_json_line(proc: subprocess.Popen, key: str, timeout_s: float) -> dict:
     """Wait for the child's first stdout JSON line holding `key` (e.g. its ready signal)."""
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,246 @@
+"""vLLM as a person serves it: `vllm serve` behind its OpenAI endpoint, alone and with StarSD's drafts
+from a draft server started with its defaults, the requests sent by a client and timed there.
+
+Each run starts each mode afresh, in turn (never two at once), and sends the same requests: one
+request, then `--requests`' other counts at once, greedy, `--max-tokens` each (EOS ignored).
+Modes:
+- `alone`: `vllm serve MODEL`, in the environment the README gives vLLM's CPU build;
+- `star`: `starsd draft-server` with its defaults on this host, and `vllm serve` with the plug-in
+  (the README's command); `star-drafting`: the same, the plug-in told to draft from a server that
+  shares vLLM's cores (STARSD_COHOSTED_DRAFTS=1; with --draft-cores: STARSD_COHOSTED=no);
+- `vllm-draft-K`: vLLM's own speculation, the draft model in its process, K tokens a step.
+With `--vllm-cores` and `--draft-cores`, vLLM (every mode) runs on the first set and the draft server
+on the second: a draft host of its own, by core partition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from starsd import config as C
+from starsd.bench.vllm_runs import engine_env, vllm_python
+from starsd.prompts import load as load_prompts
+from starsd.results import bar_panels, summary, write_json
+from starsd.star.processes import free_port, stop_group
+
+MODES = ("alone", "star", "star-drafting", "vllm-draft-4")
+PLUGIN = {"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": 4}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modes", default="alone,star", help=f"comma-separated, of {', '.join(MODES)} (vllm-draft-K: any K)")
+    p.add_argument("--requests", default="1,3", help="comma-separated: how many requests are sent at once, in turn")
+    p.add_argument("--runs", type=int, default=3, help="runs; each starts every mode afresh, in turn (every other "
+                   "run in the reverse order, so that a drift of the host's speed weighs on no mode alone)")
+    p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
+    p.add_argument("--offset", type=int, default=20, help="first prompt of the set")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens each request decodes (EOS ignored)")
+    p.add_argument("--vllm-cores", default="", help="cores vLLM runs on (e.g. 0); empty: all, shared with the server")
+    p.add_argument("--draft-cores", default="", help="cores the draft server runs on (e.g. 1); empty: all")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
+    p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every vllm serve's environment, e.g. KMP_BLOCKTIME=0")
+    p.add_argument("--vllm-python", default="", help="the vLLM environment's python (default: make vllm's)")
+    p.add_argument("--json-out", default="results/vllm-serve.json", help="results as JSON here, the plot beside it")
+    C.add_flags(p, C.PairConfig)
+
+
+class VllmServe:
+    """One `vllm serve` process (with its engine core and worker, in a process group of their own)."""
+
+    def __init__(self, python: str, model: str, dtype: str, speculative: dict | None, env: dict[str, str],
+                 cores: str, log: str):
+        self.port = free_port()
+        self.model = model
+        args = [str(Path(python).parent / "vllm"), "serve", model, "--port", str(self.port), "--host", "127.0.0.1",
+                "--dtype", dtype, "--seed", "0", "--max-num-seqs", "8"]
+        if speculative:
+            args += ["--speculative-config", json.dumps(speculative)]
+        if cores:
+            args = ["taskset", "-c", cores, *args]
+            env = {**env, "VLLM_CPU_OMP_THREADS_BIND": cores}
+        with open(log, "a") as err:
+            self.proc = subprocess.Popen(args, stdout=err, stderr=err, env=env, start_new_session=True)
+        self._wait_up(900)
+
+    def _wait_up(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with status {self.proc.returncode} before it answered")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        raise RuntimeError(f"vllm serve did not answer within {timeout_s:.0f} s")
+
+    def complete(self, prompt: list[int], max_tokens: int) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=1800) as r:
+            choice = json.loads(r.read())["choices"][0]
+        return {"text": choice["text"], "token_ids": choice.get("token_ids")}
+
+    def at_once(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """`prompts` sent at once; the wall time from the first sent to the last answered, at the client."""
+        answers: list[dict] = [{} for _ in prompts]
+
+        def one(i: int) -> None:
+            answers[i] = self.complete(prompts[i], max_tokens)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - started
+        if not all(answers):
+            raise RuntimeError("a request to vllm serve failed (its log has the error)")
+        tokens = sum(len(a["token_ids"] or []) or max_tokens for a in answers)
+        return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                "texts": [a["text"] for a in answers], "token_ids": [a["token_ids"] for a in answers]}
+
+    def close(self) -> None:
+        stop_group(self.proc)
+
+
+def run_mode(mode: str, args, pair: C.PairConfig, python: str, target: str, draft: str, prompts: list[list[int]],
+             counts: list[int], log: str) -> dict:
+    """One mode's servers started, the request sets sent in turn, the servers stopped."""
+    from starsd.star.launch import start_server
+
+    star = None
+    stats = None
+    speculative = None
+    if mode.startswith("star"):
+        prefix = ["taskset", "-c", args.draft_cores] if args.draft_cores else []
+        with open(log, "a") as err:
+            # cores of its own: it pre-drafts while vLLM verifies (by default it waits for a co-hosted target)
+            star = start_server(pair, C.ServerConfig(predraft_cohosted=bool(args.draft_cores)), prefix=prefix,
+                                stderr=err)
+        stats = os.path.join(tempfile.mkdtemp(prefix="starsd-vllm-serve-"), "proposer.json")
+        told = {} if mode == "star" else {"cohosted": "no"} if args.draft_cores else {"cohosted_drafts": True}
+        proposer = C.ProposerSettings(connect=star.address, stats_file=stats, **told)
+        speculative = PLUGIN
+    elif mode.startswith("vllm-draft-"):
+        proposer = None
+        speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(mode.split("-")[-1])}
+    else:
+        proposer = None
+    env = engine_env(python, proposer, kv_cache_gib=args.kv_cache_gib,
+                     extra=dict(kv.split("=", 1) for kv in args.engine_env))
+    dtype = C.resolve_dtype(pair.dtype, "cpu")
+    try:
+        server = VllmServe(python, target, dtype, speculative, env, args.vllm_cores, log)
+        try:
+            server.at_once(prompts[:1], 4)  # warm-up: the first request's compile and allocation
+            sets = {}
+            for n in counts:
+                before = counters(stats)
+                sets[str(n)] = server.at_once(prompts[:n], args.max_tokens)
+                after = counters(stats)
+                if after:  # the plug-in's counters over this set alone
+                    sets[str(n)]["plugin"] = {k: v - before.get(k, 0) for k, v in after.items()
+                                              if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        finally:
+            server.close()
+    finally:
+        if star is not None:
+            star.close()
+    result = {"mode": mode, "sets": sets}
+    if stats and os.path.exists(stats):
+        result["plugin"] = counters(stats)
+        os.unlink(stats)
+    return result
+
+
+def counters(stats: str | None) -> dict:
+    """The plug-in's counters so far (ProposerSettings.stats_file; empty before its first call)."""
+    try:
+        return json.loads(Path(stats).read_text()) if stats else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def main(args) -> int:
+    from starsd.bench.llamacpp import cpu_kind
+    from starsd.models import pinned
+    from starsd.models.loading import load_tokenizer
+
+    pair = C.from_args(C.PairConfig, args)
+    python = vllm_python(args.vllm_python)
+    target = str(pinned.model_dir(pair.target, pair.cache)) if pair.target in pinned.PINNED else pair.target
+    draft = str(pinned.model_dir(pair.draft, pair.cache)) if pair.draft in pinned.PINNED else pair.draft
+    counts = [int(n) for n in args.requests.split(",")]
+    modes = args.modes.split(",")
+    tokenizer = load_tokenizer(pair.target, pair.cache)
+    prompts = [p.encode(tokenizer) for p in load_prompts(args.prompts)[args.offset:args.offset + max(counts)]]
+    base = os.path.splitext(args.json_out)[0]
+    log = f"{base}.log"
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for r in range(args.runs):
+        results = {}
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            results[mode] = run_mode(mode, args, pair, python, target, draft, prompts, counts, log)
+            speeds = ", ".join(f"{n}: {s['tokens_per_s']:.2f}" for n, s in results[mode]["sets"].items())
+            print(f"run {r + 1}, {mode}: tokens/s {speeds}", flush=True)
+        runs.append(results)
+    out = {"benchmark": "vllm-serve", "cpu": cpu_kind(), "dtype": C.resolve_dtype(pair.dtype, "cpu"),
+           "vllm_cores": args.vllm_cores or "all", "draft_cores": args.draft_cores or "all",
+           "what_is_real": "every part: vllm serve, a real draft server, requests over HTTP",
+           "runs": runs, "figures": figures(runs, modes, counts)}
+    write_json(args.json_out, out)
+    plot(f"{base}.png", out["figures"], out)
+    rows = [[f"{mode}, {n} at once", f"{f['tokens_per_s']}", f"{f['vs_alone']}", f.get("equal"),
+             f.get("drafted_tokens"), f.get("accepted_tokens")]
+            for mode, by_n in out["figures"].items() for n, f in by_n.items()]
+    summary("bench vllm-serve", ["mode", "tokens/s per run", "vs alone per run", "texts equal alone's",
+                                 "drafted", "accepted"], rows,
+            {"cpu": out["cpu"], "dtype": out["dtype"], "cores": f"vLLM {out['vllm_cores']}, draft server "
+             f"{out['draft_cores']}"}, {"json": args.json_out, "plot": f"{base}.png"})
+    return 0
+
+
+def figures(runs: list[dict], modes: list[str], counts: list[int]) -> dict:
+    """Per mode and request count: tokens/s in each run, its ratio to alone's in the same run, and
+    whether its texts equal alone's."""
+    out: dict = {}
+    for mode in modes:
+        for n in map(str, counts):
+            speeds = [run[mode]["sets"][n]["tokens_per_s"] for run in runs]
+            f = {"tokens_per_s": [round(s, 2) for s in speeds]}
+            if "alone" in modes:
+                f["vs_alone"] = [round(run[mode]["sets"][n]["tokens_per_s"] / run["alone"]["sets"][n]["tokens_per_s"],
+                                       3) for run in runs]
+                f["equal"] = all(run[mode]["sets"][n]["token_ids"] == run["alone"]["sets"][n]["token_ids"]
+                                 for run in runs)
+            plugin = [run[mode]["sets"][n].get("plugin") for run in runs]
+            if all(plugin):
+                f["drafted_tokens"] = [p["proposed"] for p in plugin]
+                f["accepted_tokens"] = [p["accepted"] for p in plugin]
+            out.setdefault(mode, {})[n] = f
+    return out
+
+
+def plot(path: str, figures: dict, out: dict) -> None:
+    panels = []
+    for n in next(iter(figures.values())):
+        labels = [f"{mode} r{r + 1}" for mode in figures for r in range(len(figures[mode][n]["tokens_per_s"]))]
+        values = [v for mode in figures for v in figures[mode][n]["tokens_per_s"]]
+        panels.append({"labels": labels, "values": values, "ylabel": "tokens / s (client)",
+                       "title": f"vllm serve, {n} request(s) at once, {out['dtype']}, {out['cpu']}"})
+    bar_panels(path, panels)
