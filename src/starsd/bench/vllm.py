@@ -5,7 +5,10 @@ fresh vLLM engine (bench/vllm_engine.py, in the vLLM environment) on the same pr
 Modes:
 - `alone`: vLLM target-only;
 - `vllm-draft-K`: vLLM's own speculation with the 0.5B draft in its process, K tokens a step;
-- `star-cohosted`: StarSD's drafts from a real draft server on the same 2 cores;
+- `star-cohosted`: StarSD's drafts from a real draft server on the same cores, the plug-in told to draft
+  there (STARSD_COHOSTED_DRAFTS: by default it decodes alone beside such a server);
+- `star-real`: from a real draft server on cores of its own (`--draft-cores`; vLLM on `--vllm-cores`,
+  in every mode); `star-real-x2`: two vLLM instances sharing it;
 - `star-remote`: from a draft host of its own, emulated (emulate/draft_host.py: a draft server answering
   from a recording of the real draft model's drafts below each prompt's target-only greedy output, each
   after the real drafter's measured time on both cores, the target idle); greedy only (a sampled
@@ -43,7 +46,8 @@ from starsd.bench.vllm_runs import run_engine, vllm_python
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, summary, write_json
 
-MODES = ("alone", "vllm-draft-2", "vllm-draft-4", "star-cohosted", "star-remote", "star-remote-x2",
+MODES = ("alone", "vllm-draft-2", "vllm-draft-4", "star-cohosted", "star-real", "star-real-x2", "star-remote",
+         "star-remote-x2",
          "star-remote-nopredraft", "star-remote-x2-nopredraft", "vllm-draft-4-x2", "oracle-2", "oracle-4", "hetero",
          "no-server")
 REMOTE = ("star-remote", "star-remote-x2", "star-remote-nopredraft", "star-remote-x2-nopredraft")
@@ -66,6 +70,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
                    help="set in every vLLM engine's environment, e.g. KMP_BLOCKTIME=0 (Intel OpenMP's threads sleep "
                    "at once after a parallel region instead of spinning 200 ms on cores a draft server shares)")
+    p.add_argument("--vllm-cores", default="", help="cores every vLLM engine runs on, as taskset takes them (e.g. 0); "
+                   "empty: all")
+    p.add_argument("--draft-cores", default="", help="cores the draft servers run on and the emulated host stands "
+                   "for (e.g. 1): with --vllm-cores, a draft host of its own by core partition; empty: all")
     p.add_argument("--vllm-python", default="", help="the vLLM environment's python (default: make vllm's)")
     p.add_argument("--json-out", default="results/vllm.json", help="results as JSON here, the plot (PNG) beside it")
     C.add_flags(p, C.PairConfig)
@@ -95,7 +103,8 @@ class Bench:
                "speculative": speculative, "max_num_seqs": max(4, len(self.prompt_ids)),
                "logprobs": 2 if speculative is None and temperature == 0 else 0}
         given = dict(kv.split("=", 1) for kv in self.args.engine_env)
-        return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env={**given, **(env or {})})
+        return run_engine(run, self.python, proposer, timeout_s=1800, log=self.log, env={**given, **(env or {})},
+                          cores=self.args.vllm_cores)
 
     def star(self, temperature: float, address: str, instances: int = 1, cohosted: str = "auto",
              adaptive: bool | None = None) -> list[dict]:
@@ -111,7 +120,8 @@ class Bench:
         self.stats_files = stats_files
 
         def one(i: int) -> None:
-            proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i], cohosted=cohosted, adaptive=adaptive)
+            proposer = C.ProposerSettings(connect=address, stats_file=stats_files[i], cohosted=cohosted, adaptive=adaptive,
+                                          cohosted_drafts=True)  # (its co-hosted modes measure drafting beside vLLM)
             results[i] = self.run(temperature, spec, proposer)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(instances)]
@@ -169,6 +179,10 @@ def main(args) -> int:
     Path(base).parent.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, pair, vllm_python(args.vllm_python), f"{base}-vllm.log")
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    draft_prefix = ["taskset", "-c", args.draft_cores] if args.draft_cores else []
+    draft_cores = cores_of(args.draft_cores) if args.draft_cores else set(os.sched_getaffinity(0))
+    if any(m.startswith("star-real") for m in modes) and not (args.draft_cores and args.vllm_cores):
+        raise C.SettingError("star-real needs --vllm-cores and --draft-cores: a real draft server on cores of its own")
     server_pair = dataclasses.replace(pair, threads=0, target_engine="transformers")  # the server reads only
     # the target's tokenizer and width
     out: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "cpu": cpu_kind(),
@@ -200,19 +214,26 @@ def main(args) -> int:
                 record("star-cohosted", t, bench.star(t, star.address))
             finally:
                 star.close()
+        for m in ("star-real", "star-real-x2"):
+            if m in modes_now and t == 0:
+                # cores of its own: it pre-drafts while vLLM verifies, and vLLM counts none of its compute
+                star = start_server(server_pair, C.ServerConfig(predraft_cohosted=True), prefix=draft_prefix)
+                try:
+                    record(m, t, bench.star(t, star.address, instances=2 if m.endswith("-x2") else 1, cohosted="no"))
+                finally:
+                    star.close()
     greedy = runs.get("alone@0", [{}])[0]
     remote = [m for m in REMOTE if m in modes]
     if remote and greedy:
         paths = [(p, o) for p, o in zip(bench.prompt_ids, greedy["token_ids"])]
         draft = C.DraftConfig(depth=max(args.k, 8))
         rec_file = f"{base}-drafts.json"
-        out["recording"] = {"file": rec_file, "cost_ms": record_drafts(set(os.sched_getaffinity(0)), pair, draft,
-                                                                       paths, rec_file)}
+        out["recording"] = {"file": rec_file, "cost_ms": record_drafts(draft_cores, pair, draft, paths, rec_file)}
         for m in remote:
             # a host of its own: its idle time is not vLLM's cores, so it pre-drafts while vLLM verifies, as a
             # real draft host does (on loopback the server would take vLLM for a target on its host)
             cfg = C.ServerConfig(predraft_cohosted=True, predraft=not m.endswith("-nopredraft"))
-            star = start_server(server_pair, cfg, extra=["--recording", rec_file])
+            star = start_server(server_pair, cfg, extra=["--recording", rec_file], prefix=draft_prefix)
             try:
                 record(m, 0.0, bench.star(0.0, star.address, instances=2 if "-x2" in m else 1, cohosted="no"))
             finally:
@@ -243,6 +264,15 @@ def main(args) -> int:
              **({"bound (star-remote)": f"{out['bound']['speedup']:.2f}x alone"} if "bound" in out else {})},
             {"json": args.json_out, "plot": f"{base}.png"})
     return 0
+
+
+def cores_of(text: str) -> set[int]:
+    """taskset's list (0,2-3) as a set of cores."""
+    cores = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cores |= set(range(int(lo), int(hi or lo) + 1))
+    return cores
 
 
 def oracle_run(bench: Bench, outputs: list[list[int]], k: int) -> dict:

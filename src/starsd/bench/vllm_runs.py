@@ -42,14 +42,17 @@ def engine_env(python: str, proposer: ProposerSettings | None = None, kv_cache_g
 
 
 def run_engine(run: dict, python: str, proposer: ProposerSettings | None = None, timeout_s: float = 900,
-               log: str | None = None, env: dict[str, str] | None = None) -> dict:
+               log: str | None = None, env: dict[str, str] | None = None, cores: str = "") -> dict:
     """One vLLM engine's run (bench/vllm_engine.py: `run`'s fields), its result. `proposer`: where a
-    `starsd.vllm.Proposer` drafts. Its stderr goes to `log` (else is kept for the error)."""
+    `starsd.vllm.Proposer` drafts. Its stderr goes to `log` (else is kept for the error). `cores`: the
+    cores (as taskset takes them) its processes run on and vLLM binds its threads to; empty: all."""
+    prefix = ["taskset", "-c", cores] if cores else []
+    env = {**(env or {}), **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(run, f)
     try:
         err = open(log, "a") if log else subprocess.PIPE
-        done = subprocess.run([python, "-m", "starsd.bench.vllm_engine", f.name], stdout=subprocess.PIPE,
+        done = subprocess.run([*prefix, python, "-m", "starsd.bench.vllm_engine", f.name], stdout=subprocess.PIPE,
                               stderr=err, text=True, env=engine_env(python, proposer, extra=env), timeout=timeout_s)
         if log:
             err.close()
