@@ -58,8 +58,8 @@ demo: models
 # that must run alone (tests/conftest.py, ALONE), which run after, one at a time. Each part has 40
 # minutes (about 7-13 here): a pytest worker that crashes leaves pytest-xdist waiting forever.
 test: models vllm
-	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "not alone"; a=$$?; \
-	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q --durations=10 -m alone; b=$$?; \
+	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q -rs --durations=10 -n 2 --dist loadfile -m "not alone"; a=$$?; \
+	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q -rs --durations=10 -m alone; b=$$?; \
 	for rc in $$a $$b; do test $$rc != 124 || echo "make test: a part of the suite ran past 40 minutes and was stopped"; done; \
 	test $$a = 0 && test $$b = 0
 
