@@ -124,7 +124,7 @@ def test_greedy_completion_equals_target_only_decoding(client, local):
     assert got.choices[0].text == reference(local, ids, 40)
     assert got.usage.prompt_tokens == len(ids) and 0 < got.usage.completion_tokens <= 40
     spec = got.model_extra["spec_decode"]
-    assert spec["drafts"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    assert spec["drafts"] > 0 and spec["draft_tokens"] > spec["accepted_tokens"] > 0  # (a perturbed copy: drafts in part accepted)
     assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
 
 
