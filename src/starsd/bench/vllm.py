@@ -42,7 +42,7 @@ from pathlib import Path
 
 from starsd import config as C
 from starsd.bench.llamacpp import NEAR_TIE
-from starsd.bench.vllm_runs import run_engine, vllm_python
+from starsd.bench.vllm_runs import run_engine, taskset, vllm_python
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, summary, write_json
 
@@ -179,7 +179,7 @@ def main(args) -> int:
     Path(base).parent.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, pair, vllm_python(args.vllm_python), f"{base}-vllm.log")
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    draft_prefix = ["taskset", "-c", args.draft_cores] if args.draft_cores else []
+    draft_prefix = taskset(args.draft_cores)
     draft_cores = cores_of(args.draft_cores) if args.draft_cores else set(os.sched_getaffinity(0))
     if any(m.startswith("star-real") for m in modes) and not (args.draft_cores and args.vllm_cores):
         raise C.SettingError("star-real needs --vllm-cores and --draft-cores: a real draft server on cores of its own")

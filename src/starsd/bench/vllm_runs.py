@@ -41,13 +41,23 @@ def engine_env(python: str, proposer: ProposerSettings | None = None, kv_cache_g
     return {**env, **(extra or {})}
 
 
+def taskset(cores: str) -> list[str]:
+    """The command prefix that runs a process on `cores`, as taskset takes them (empty: all, no prefix)."""
+    return ["taskset", "-c", cores] if cores else []
+
+
+def bound_to(cores: str) -> dict[str, str]:
+    """The environment in which vLLM's CPU build binds its OpenMP threads to `cores` (empty: its own choice)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {}
+
+
 def run_engine(run: dict, python: str, proposer: ProposerSettings | None = None, timeout_s: float = 900,
                log: str | None = None, env: dict[str, str] | None = None, cores: str = "") -> dict:
     """One vLLM engine's run (bench/vllm_engine.py: `run`'s fields), its result. `proposer`: where a
     `starsd.vllm.Proposer` drafts. Its stderr goes to `log` (else is kept for the error). `cores`: the
     cores (as taskset takes them) its processes run on and vLLM binds its threads to; empty: all."""
-    prefix = ["taskset", "-c", cores] if cores else []
-    env = {**(env or {}), **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
+    prefix = taskset(cores)
+    env = {**(env or {}), **bound_to(cores)}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(run, f)
     try:

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from starsd import config as C
-from starsd.bench.vllm_runs import engine_env, vllm_python
+from starsd.bench.vllm_runs import bound_to, engine_env, taskset, vllm_python
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, summary, write_json
 from starsd.star.processes import free_port, stop_group
@@ -65,11 +65,9 @@ class VllmServe:
                 "--dtype", dtype, "--seed", "0", "--max-num-seqs", "8"]
         if speculative:
             args += ["--speculative-config", json.dumps(speculative)]
-        if cores:
-            args = ["taskset", "-c", cores, *args]
-            env = {**env, "VLLM_CPU_OMP_THREADS_BIND": cores}
         with open(log, "a") as err:
-            self.proc = subprocess.Popen(args, stdout=err, stderr=err, env=env, start_new_session=True)
+            self.proc = subprocess.Popen([*taskset(cores), *args], stdout=err, stderr=err,
+                                         env={**env, **bound_to(cores)}, start_new_session=True)
         self._wait_up(900)
 
     def _wait_up(self, timeout_s: float) -> None:
@@ -126,10 +124,10 @@ def run_mode(mode: str, args, pair: C.PairConfig, python: str, target: str, draf
     stats = None
     speculative = None
     if mode.startswith("star"):
-        prefix = ["taskset", "-c", args.draft_cores] if args.draft_cores else []
         with open(log, "a") as err:
             # cores of its own: it pre-drafts while vLLM verifies (by default it waits for a co-hosted target)
-            star = start_server(pair, C.ServerConfig(predraft_cohosted=bool(args.draft_cores)), prefix=prefix,
+            star = start_server(pair, C.ServerConfig(predraft_cohosted=bool(args.draft_cores)),
+                                prefix=taskset(args.draft_cores),
                                 stderr=err)
         stats = os.path.join(tempfile.mkdtemp(prefix="starsd-vllm-serve-"), "proposer.json")
         told = {} if mode == "star" else {"cohosted": "no"} if args.draft_cores else {"cohosted_drafts": True}
