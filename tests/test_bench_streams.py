@@ -25,6 +25,8 @@ def test_bench_streams_serves_the_requests_both_ways_and_compares_them(tmp_path)
     assert all(m["tokens_per_s"] > 0 and len(m["runs"]) == 1 for m in modes.values())
     assert all(run["tokens"] == 2 * 16 for m in modes.values() for run in m["runs"])  # ignore_eos: every token
     assert {"1 x 1", "2 x 1", "2 x 4"} <= set(result["pass_ms"]) and result["bound_tokens_per_s"] > 0
-    assert modes["one at a time"]["equal_share"] == 1.0  # its own first round is the reference
-    assert all(d.get("near_tie", True) for d in result["divergences"]) and code == 0
+    # against greedy decoding alone in the benchmark's own process: served one at a time, one token a
+    # pass, it is that; together, every divergence is audited and must be a near-tie
+    assert modes["one at a time"]["equal_share"] == 1.0
+    assert all(d["ok"] for d in result["divergences"]) and code == 0
     assert (tmp_path / "streams.png").stat().st_size > 0

@@ -27,7 +27,8 @@ def write_json(path: str | Path, result: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "machine": platform.machine(),
-            "command": " ".join(["starsd", *sys.argv[1:]]), "commit": commit(), "cpu": cpu_model()}
+            "command": " ".join(["starsd", *sys.argv[1:]]), "commit": commit(), "cpu": cpu_model(),
+            "cpu_kind": cpu_kind()}
     path.write_text(json.dumps({"meta": meta, **result}, indent=1))
     print(f"wrote {path}")
 
@@ -45,11 +46,25 @@ def commit() -> str | None:
     return (head + ("+dirty" if dirty else "")) or None
 
 
+def cpu_kind() -> str:
+    """The widest vector unit of this CPU that StarSD's engines use: AMX, AVX512-BF16, AVX-512 or AVX2."""
+    flags = set((cpuinfo("flags") or "").split())
+    for flag, kind in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return kind
+    return "x86"
+
+
 def cpu_model() -> str | None:
     """The CPU's model name, as /proc/cpuinfo gives it."""
+    return cpuinfo("model name")
+
+
+def cpuinfo(field: str) -> str | None:
+    """A field of the first processor in /proc/cpuinfo (None where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == field), None)
     except OSError:
         return None
 

@@ -41,10 +41,10 @@ import time
 from pathlib import Path
 
 from starsd import config as C
-from starsd.bench.llamacpp import NEAR_TIE
+from starsd.bench.llamacpp import audited
 from starsd.bench.vllm_runs import run_engine, taskset, vllm_python
 from starsd.prompts import load as load_prompts
-from starsd.results import bar_panels, summary, write_json
+from starsd.results import bar_panels, cpu_kind, summary, write_json
 
 MODES = ("alone", "vllm-draft-2", "vllm-draft-4", "star-cohosted", "star-real", "star-real-x2", "star-remote",
          "star-remote-x2",
@@ -168,7 +168,7 @@ class Bench:
 
 
 def main(args) -> int:
-    from starsd.bench.llamacpp import bound, cpu_kind, record_drafts
+    from starsd.bench.llamacpp import bound, record_drafts
     from starsd.star.launch import start_server
 
     pair = C.from_args(C.PairConfig, args)
@@ -324,10 +324,10 @@ def hetero(bench: Bench, address: str, alone: dict) -> dict:
     same_vllm = [a == b for a, b in zip(vllm["token_ids"], alone["token_ids"])]
     divergences = []  # llama.cpp's: where its batched and single-token kernels may round a near-tie apart
     for i, (a, b) in enumerate(zip(spec, plain)):
-        at = parts_at(a["token_ids"], b["token_ids"])
-        if at is not None:
-            margin = llama_margin(bench.pair, bench.prompt_ids[i] + b["token_ids"][:at])
-            divergences.append({"prompt": i, "at": at, "margin": margin, "near_tie": margin < NEAR_TIE})
+        if a["token_ids"] != b["token_ids"]:
+            found = llama_audit(bench.pair, bench.prompt_ids[i], a["token_ids"], bench.args.max_tokens)
+            divergences.append({"mode": "llama.cpp", "prompt": i, "ok": found["ok"], "allowance": found["allowance"],
+                                "parts": found["divergences"]})
     return {"vllm": {"equal": same_vllm, "tokens_per_s": vllm["tokens_per_s"], "plugin": vllm.get("plugin")},
             "llamacpp": {"equal": same_llama, "divergences": divergences,
                          "drafted_steps": [r.get("drafted_steps") for r in spec],
@@ -335,8 +335,7 @@ def hetero(bench: Bench, address: str, alone: dict) -> dict:
                          "alone_tokens_per_s": [r["tokens_per_s"] for r in plain]},
             "summary": f"vLLM {sum(same_vllm)}/{len(same_vllm)} equal to vLLM alone, llama.cpp "
                        f"{sum(same_llama)}/{len(same_llama)} equal to llama.cpp alone"
-                       + "".join(f"; llama.cpp prompt {d['prompt']} parts at {d['at']}, margin {d['margin']:.3f}"
-                                 for d in divergences)}
+                       + "".join(f"; {audited(d)}" for d in divergences)}
 
 
 def parts_at(got: list[int], want: list[int]) -> int | None:
@@ -344,13 +343,15 @@ def parts_at(got: list[int], want: list[int]) -> int | None:
     return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
 
 
-def llama_margin(pair: C.PairConfig, ids: list[int]) -> float:
-    """llama.cpp's top-2 logit margin after `ids`, as the hetero target runs it (one thread)."""
-    from starsd.bench.llamacpp import top2_margin
+def llama_audit(pair: C.PairConfig, prompt_ids: list[int], emitted: list[int], n: int) -> dict:
+    """llama.cpp's output audited against its own one-token passes (spec/audit.py), as the hetero
+    target runs it (one thread, 4 tokens drafted a step)."""
     from starsd.models.pair import Pair
+    from starsd.spec.audit import audit
 
     llama = dataclasses.replace(pair, target_engine="llamacpp", threads=1)
-    return top2_margin(Pair.load(llama.target_model(), None, pair.cache, 1).target, ids)
+    target = Pair.load(llama.target_model(), None, pair.cache, 1).target
+    return audit(target, prompt_ids, emitted, 5, n)  # EOS ignored: n tokens each
 
 
 def fill(costs: dict[int, float]) -> dict[int, float]:

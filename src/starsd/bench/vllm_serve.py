@@ -29,7 +29,7 @@ from pathlib import Path
 from starsd import config as C
 from starsd.bench.vllm_runs import bound_to, engine_env, taskset, vllm_python
 from starsd.prompts import load as load_prompts
-from starsd.results import bar_panels, summary, write_json
+from starsd.results import bar_panels, cpu_kind, summary, write_json
 from starsd.star.processes import free_port, stop_group
 
 MODES = ("alone", "star", "star-drafting", "vllm-draft-4")
@@ -174,7 +174,6 @@ def counters(stats: str | None) -> dict:
 
 
 def main(args) -> int:
-    from starsd.bench.llamacpp import cpu_kind
     from starsd.models import pinned
     from starsd.models.loading import load_tokenizer
 
