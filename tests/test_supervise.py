@@ -1,7 +1,8 @@
 """A local star keeps its processes up: `starsd serve` (tiny models) under a load of streaming
 clients while its draft server, a target server, and both at once are killed with SIGKILL. The only
 requests that fail are the streams that were running on a killed target, each with a clear error;
-no request started after the restarts fails, and /metrics counts the restarts."""
+every other answer, the streams running while the draft server died among them, is the text of
+target-only decoding; no request started after the restarts fails, and /metrics counts the restarts."""
 
 import json
 import re
@@ -14,10 +15,25 @@ import psutil
 import pytest
 
 import tiny
+from starsd.config import ModelConfig, SamplingConfig
+from starsd.models.pair import Pair
+from starsd.spec.decode import target_only
 from starsd.star.processes import free_port, read_json_line, spawn
 
 MODEL = "tiny-target"
 CLIENTS = 3
+
+
+PROMPT = "def f(x):"
+MAX_TOKENS = 40
+
+
+def target_only_text(target_dir: str) -> str:
+    """The prompt's greedy answer by target-only decoding in this process: what every answer must be."""
+    pair = Pair.load(ModelConfig(target_dir, dtype="float32"), None)
+    ids = pair.tokenizer.encode(PROMPT, add_special_tokens=False)
+    gen = target_only(pair.target, ids, MAX_TOKENS, SamplingConfig(temperature=0.0))  # ignore_eos: no EOS
+    return pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +48,7 @@ def star(tmp_path_factory):
     except BaseException:
         proc.kill()
         raise
-    yield {"url": f"http://127.0.0.1:{port}", "proc": proc}
+    yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "text": target_only_text(target)}
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
 
@@ -53,10 +69,11 @@ def restarts(star) -> dict[str, float]:
 
 class Load:
     """CLIENTS threads sending streaming completions one after another; each request's start and end
-    (monotonic s) and outcome ("ok", or the error it met) are kept."""
+    (monotonic s) and outcome ("ok": its whole text is `text`; or the error it met) are kept."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, text: str):
         self.url = url
+        self.text = text
         self.results: list[tuple[float, float, str]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(CLIENTS)]
@@ -72,7 +89,7 @@ class Load:
             t.join(timeout=120)
 
     def _client(self) -> None:
-        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 40, "temperature": 0, "stream": True,
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         while not self._stop.is_set():
             started = time.monotonic()
@@ -84,11 +101,14 @@ class Load:
             with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
                 if r.status_code != 200:
                     return f"HTTP {r.status_code}: {r.read().decode()[:200]}"
+                text = ""
                 for line in r.iter_lines():
                     if line.startswith("data: {") and '"error"' in line:
                         return json.loads(line[6:])["error"]["code"] or "error"
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
                     if line == "data: [DONE]":
-                        return "ok"
+                        return "ok" if text == self.text else f"text {text!r}, not target-only's {self.text!r}"
                 return "no [DONE]"
         except httpx.HTTPError as e:
             return f"{type(e).__name__}: {e}"
@@ -113,7 +133,7 @@ def kill_and_wait(star, names: list[str], kinds: dict[str, float]) -> tuple[floa
 
 def test_killed_processes_come_back_and_only_the_streams_on_a_killed_target_fail(star):
     kills = {}  # what was killed: (when, seconds until it was back)
-    with Load(star["url"]) as load:
+    with Load(star["url"], star["text"]) as load:
         time.sleep(3)
         kills["draft-server"] = kill_and_wait(star, ["draft-server"], {"draft-server": 1})
         time.sleep(3)
