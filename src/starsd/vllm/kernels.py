@@ -27,15 +27,12 @@ log = logging.getLogger("starsd.vllm")
 KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
-def expands_floats() -> bool | None:
-    """Whether vLLM's expand spreads float values per request to their tokens (None: it cannot be
-    run here, e.g. no platform kernel registered in this process)."""
-    try:
-        from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+def expands_floats() -> bool:
+    """Whether vLLM's expand spreads float values per request to their tokens. Raises where it cannot
+    be run in this process (vLLM not built for this CPU, or no platform kernel registered)."""
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
-        got = expand_batch_to_tokens(torch.tensor([0.5, 0.75]), torch.tensor([1, 3], dtype=torch.int32), 3)
-    except Exception:  # (vLLM not built for this CPU, or the kernel is a Triton one with no CPU backend)
-        return None
+    got = expand_batch_to_tokens(torch.tensor([0.5, 0.75]), torch.tensor([1, 3], dtype=torch.int32), 3)
     return torch.equal(got, torch.tensor([0.5, 0.75, 0.75]))
 
 
@@ -48,18 +45,23 @@ def expand(output: torch.Tensor, values: torch.Tensor, cu_num_tokens: torch.Tens
     output[:spread.shape[0]] = spread.to(output.dtype)
 
 
-def repair(enabled: bool = True) -> bool:
-    """Registers `expand` where vLLM's own mis-expands floats; whether it did."""
-    if expands_floats() is not False:
-        return False
+def repair(enabled: bool = True) -> str:
+    """Checks vLLM's expand kernel and registers `expand` where it mis-expands floats. Returns what it
+    found: "correct", "repaired", "broken" (left so: not `enabled`), or "unchecked: " and why."""
+    try:
+        if expands_floats():
+            return "correct"
+    except Exception as e:  # noqa: BLE001 (whatever stops the check is reported, not hidden)
+        log.warning("StarSD could not check vLLM's expand kernel, which sampled drafts are verified with: %r", e)
+        return f"unchecked: {e!r}"[:300]
     if not enabled:
         log.warning("vLLM's CPU expand kernel leaves per-token temperatures unset: sampled requests with drafts "
                     "(StarSD's or vLLM's own) do not keep the target's distribution (STARSD_VLLM_REPAIR=0)")
-        return False
+        return "broken"
     from vllm.triton_utils.dispatcher import register_kernels
 
     register_kernels({KERNEL: expand})
     fixed = expands_floats()
     log.warning("vLLM's CPU expand kernel left per-token temperatures unset, so that sampled drafts were verified "
                 "at garbage temperatures; StarSD registered a correct one (%s)", "checked" if fixed else "NOT effective")
-    return bool(fixed)
+    return "repaired" if fixed else "broken"

@@ -74,7 +74,7 @@ class Counters:
     missed: int = 0  # drafts that did not come within their deadline
     sessions: int = 0  # draft sessions opened
     errors: int = 0  # a stream's step that failed (a refusal, a fault): its row decoded alone, its session closed
-    repaired: bool = False  # vLLM's CPU expand kernel was replaced (vllm/kernels.py)
+    expand_kernel: str = ""  # vLLM's expand kernel: correct, repaired, broken or unchecked (vllm/kernels.py)
 
 
 class Proposer:
@@ -92,14 +92,14 @@ class Proposer:
             tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
             fingerprint = vocab_fingerprint(tokenizer, model.get_vocab_size())
         self.fingerprint = fingerprint
-        self.repaired = kernels.repair(self.settings.vllm_repair)  # (vLLM's CPU build: sampled drafts' temperatures)
+        self.expand_kernel = kernels.repair(self.settings.vllm_repair)  # (vLLM's CPU build: sampled drafts' temperatures)
         check_version()
         self.alone = self._shares_cores()
         self.cfg = DraftConfig(depth=self.k)
         self.streams: list[Stream] = []
         self.step = 0  # propose() calls so far
         self.returned: float | None = None  # when the last propose() returned (perf_counter s)
-        self.counters = Counters(repaired=self.repaired)
+        self.counters = Counters(expand_kernel=self.expand_kernel)
         self.on_server: collections.Counter = collections.Counter()  # this engine's streams by draft server, this step
 
     def _shares_cores(self) -> bool:
