@@ -7,7 +7,7 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models.drafter import DraftJob, Drafter
-from starsd.spec.verify import make_generator
+from starsd.spec_decode.verify import make_generator
 
 GREEDY = SamplingConfig()
 

@@ -8,7 +8,7 @@ import pytest
 
 from starsd.bench import depth_replay
 from starsd.config import DraftConfig
-from starsd.spec.depth import DepthPolicy
+from starsd.spec_decode.depth import DepthPolicy
 
 TRACE = Path(__file__).parent / "data" / "depth-trace-humaneval.json"
 

@@ -98,7 +98,7 @@ def test_soak_short_every_fault_survived_nothing_lost(tmp_path):
     # verify passes a GPU would make of a 1.5B target (flat in the width: drafting pays), and a prefill
     latency.write_text(json.dumps(LatencyProfile({1: (300.0,), 16: (330.0,)}, "test", {50: (300.0,)}).to_json()))
     out = tmp_path / "soak.json"
-    # A fixed draft depth: an adaptive target's per-step draft deadline (spec/depth.py) can keep it from
+    # A fixed draft depth: an adaptive target's per-step draft deadline (spec_decode/depth.py) can keep it from
     # asking for a draft, so from reconnecting, for up to 256 steps after the server kill: longer than this run.
     run = subprocess.run(
         [sys.executable, "-m", "starsd.cli", "bench", "soak", "--targets", "8", "--hosts", "2", "--duration-s", "40",

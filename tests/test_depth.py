@@ -10,8 +10,8 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.models.drafter import Drafter
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
-from starsd.spec.decode import measure_verify, speculative, target_only
-from starsd.spec.depth import MAX_STOP, Acceptance, Costs, DepthPolicy
+from starsd.spec_decode.decode import measure_verify, speculative, target_only
+from starsd.spec_decode.depth import MAX_STOP, Acceptance, Costs, DepthPolicy
 
 
 def test_draft_costs_are_a_line_through_each_depths_median():

@@ -16,7 +16,7 @@ from starsd.star import protocol as P
 from starsd.models.pair import Pair
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.star.client import DraftClient, DraftServerError
-from starsd.spec.decode import speculative, target_only
+from starsd.spec_decode.decode import speculative, target_only
 from starsd.star.launch import run_targets, start_server, summarize
 from starsd.star.processes import spawn
 from starsd.models.loading import logits_width, vocab_fingerprint

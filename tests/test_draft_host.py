@@ -11,7 +11,7 @@ import pytest
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.emulate.draft_host import Cost, RecordedDrafter, Recording, batch_scale, record
 from starsd.models.drafter import DraftJob
-from starsd.spec.decode import speculative, target_only
+from starsd.spec_decode.decode import speculative, target_only
 from starsd.star.client import DraftClient
 from starsd.star.processes import free_port
 from starsd.star.remote_drafter import RemoteDrafter

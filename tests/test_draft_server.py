@@ -194,7 +194,7 @@ def test_a_request_refused_as_busy_costs_one_draft_not_the_session(tiny_target, 
     every later request of the session was refused as bad_step and the generation failed. Now the
     target decodes that step without a draft, sends its tokens with the next request, and the
     output is still target-only greedy decoding."""
-    from starsd.spec.decode import speculative, target_only
+    from starsd.spec_decode.decode import speculative, target_only
     from starsd.star.remote_drafter import RemoteDrafter
 
     gated = Gated(tiny_drafters["good"])
@@ -387,7 +387,7 @@ def test_a_ping_racing_with_free_leaves_nothing_of_the_session(tiny_drafters):
 def test_a_welcome_says_what_a_drafted_level_has_cost_lately(make_server):
     """The server's warm-up's steps before any target comes (a prompt's first draft ingests it: not
     what a level costs); after a few steps, each new session's Welcome gives the median time per
-    level per stream of the recent step batches (a new stream's prior: spec/depth.py, server_prior)."""
+    level per stream of the recent step batches (a new stream's prior: spec_decode/depth.py, server_prior)."""
     server, address = make_server()
     warm = len(server.stats.levels)
     a = client(address)
@@ -406,7 +406,7 @@ def test_a_welcome_says_what_a_drafted_level_has_cost_lately(make_server):
 def test_a_welcome_says_what_a_prompt_token_costs_the_server(make_server):
     """The warm-up ends with a prompt of a warm model; its time, less its one drafted level, per token
     is what a new stream's prompt costs the server to ingest. Each Welcome says it: a target on the
-    server's host weighs its first draft with it (spec/depth.py, catch_up_pays)."""
+    server's host weighs its first draft with it (spec_decode/depth.py, catch_up_pays)."""
     server, address = make_server()
     a = client(address)
     assert 0 < a.ingest_ms == server.stats.ingest_ms() < 1e3
@@ -438,7 +438,7 @@ def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(
 def test_welcome_and_pongs_say_how_long_the_servers_requests_wait_lately(make_server):
     """A stream that joins a server, or asks for no draft, knows from the server's word how long a
     draft would take to come (arrival to reply: queue and draft), and its drafter takes it as the
-    server's time until its own replies say longer (spec/depth.py decodes alone where even a perfect
+    server's time until its own replies say longer (spec_decode/depth.py decodes alone where even a perfect
     draft waited for that long loses)."""
     server, address = make_server()
     fresh = DraftClient(address, FP, "fresh", timeout_s=10, heartbeat_s=0.05)
@@ -468,7 +468,7 @@ def test_welcome_and_pongs_say_how_long_the_servers_requests_wait_lately(make_se
 def test_welcome_and_pongs_count_the_targets_on_the_servers_host(make_server):
     """Each Welcome, and every Pong after, says how many of the server's sessions are of targets on its
     own host (here all: loopback): a co-hosted stream's draft takes its compute from each of them
-    (spec/depth.py, `neighbours`), so the count follows targets that come and go."""
+    (spec_decode/depth.py, `neighbours`), so the count follows targets that come and go."""
     server, address = make_server()
     first = DraftClient(address, FP, "first", timeout_s=10, heartbeat_s=0.05)
     first.hello()
@@ -483,7 +483,7 @@ def test_welcome_and_pongs_count_the_targets_on_the_servers_host(make_server):
 
 
 def test_each_request_says_where_its_chain_stops(make_server, tiny_drafters):
-    """A stream's depth policy chooses each step's chain threshold (spec/depth.py, DepthPolicy.stop):
+    """A stream's depth policy chooses each step's chain threshold (spec_decode/depth.py, DepthPolicy.stop):
     the server drafts each request with the threshold it carries (-1: the session's own), and the
     chains are the drafter's own at that threshold."""
     from starsd.models.drafter import DraftJob

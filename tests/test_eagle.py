@@ -17,8 +17,8 @@ from starsd.models.drafter import Drafter
 from starsd.models.eagle import EagleHead, EagleLoadError
 from starsd.models.pair import Pair
 from starsd.prompts import humaneval
-from starsd.spec.decode import speculative, target_only
-from starsd.spec.verify import warp
+from starsd.spec_decode.decode import speculative, target_only
+from starsd.spec_decode.verify import warp
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
@@ -143,7 +143,7 @@ def test_sampling_keeps_the_target_law(dirs, local):
     drafter = Drafter(head(dirs, local, "eagle1"))
     prompt = [10, 11, 12]
     seq = local.target.start(prompt, drafter.taps)
-    from starsd.spec.tree import DraftTree
+    from starsd.spec_decode.tree import DraftTree
 
     exact = warp(local.target.score(seq, DraftTree.empty())[0], s)
     sampled = DraftConfig(depth=2, sample=True, adaptive=False, min_path_prob=0)
@@ -205,7 +205,7 @@ def test_replay_targets_send_the_recorded_features(dirs, local, tmp_path):
     seq, real = replay.start(ids, drafter.taps), local.target.start(ids, drafter.taps)
     torch.testing.assert_close(seq.features.float(), real.features, atol=2e-2, rtol=2e-2)  # stored in bf16
     cont = rec.prompts[prompts[0].id]["continuation"]
-    from starsd.spec.tree import DraftTree
+    from starsd.spec_decode.tree import DraftTree
 
     tree = DraftTree(torch.tensor([cont[0], cont[0] + 1, cont[1]]), torch.tensor([-1, -1, 0]))  # node 1 is off the path
     replay.score(seq, tree, drafter.taps)

@@ -11,9 +11,9 @@ from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, 
 from starsd.emulate.delay_proxy import DelayProxy
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
-from starsd.spec.decode import speculative, speculative_steps, target_only
-from starsd.spec.depth import DepthPolicy
-from starsd.spec.drafting import LocalDrafting
+from starsd.spec_decode.decode import speculative, speculative_steps, target_only
+from starsd.spec_decode.depth import DepthPolicy
+from starsd.spec_decode.drafting import LocalDrafting
 from starsd.star.client import DraftClient, query_stats
 from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.processes import free_port

@@ -14,15 +14,15 @@ BASE = {"config", "errors", "prompts", "results"}
 ALLOWED = {  # part -> the parts it may import besides itself
     "errors": set(), "config": {"errors"}, "prompts": {"errors"}, "results": set(),
     "theory": {"errors", "results"},  # analytical model and simulator: arithmetic, no torch
-    "spec": {"config", "errors"},  # the speculative core: pure tensor code
-    "models": BASE | {"spec"},
-    "star": BASE | {"spec", "models"},
-    "emulate": BASE | {"theory", "spec", "models", "star"},
+    "spec_decode": {"config", "errors"},  # the speculative core: pure tensor code
+    "models": BASE | {"spec_decode"},
+    "star": BASE | {"spec_decode", "models"},
+    "emulate": BASE | {"theory", "spec_decode", "models", "star"},
     "serve": BASE | {"star"},  # the HTTP gateway: talks to target servers over the star's wire
-    "vllm": BASE | {"spec", "models", "star"},  # the proposer plug-in an unmodified vLLM drafts with
-    "bench": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "vllm"},
-    "train": BASE | {"spec", "models"},  # training drafters offline: EAGLE heads on the target's features
-    "cli": BASE | {"theory", "spec", "models", "star", "emulate", "serve", "bench", "train", "vllm"},
+    "vllm": BASE | {"spec_decode", "models", "star"},  # the proposer plug-in an unmodified vLLM drafts with
+    "bench": BASE | {"theory", "spec_decode", "models", "star", "emulate", "serve", "vllm"},
+    "train": BASE | {"spec_decode", "models"},  # training drafters offline: EAGLE heads on the target's features
+    "cli": BASE | {"theory", "spec_decode", "models", "star", "emulate", "serve", "bench", "train", "vllm"},
 }
 
 

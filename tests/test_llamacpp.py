@@ -27,10 +27,10 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.errors import StarsdError
 from starsd.models.drafter import Drafter
 from starsd.models.target import TargetModel
-from starsd.spec.audit import audit
-from starsd.spec.decode import speculative
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import Verdict, warp
+from starsd.spec_decode.audit import audit
+from starsd.spec_decode.decode import speculative
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import Verdict, warp
 
 if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is a failure there
     pytest.importorskip("llama_cpp")
@@ -89,7 +89,7 @@ def test_llamacpp_scores_trees_and_keeps_a_branch_as_transformers_does(tiny_pair
 
 def check_lossless(target: LlamaCppTarget, drafter, prompts: list[list[int]], n: int, draft: DraftConfig) -> list:
     """Greedy speculative output, every token audited against llama.cpp's own one-token pass at its
-    context (spec/audit.py): its argmax, or a near-tie within the measured batched-vs-single allowance."""
+    context (spec_decode/audit.py): its argmax, or a near-tie within the measured batched-vs-single allowance."""
     accepted = []
     for prompt in prompts:
         spec = speculative(target, drafter, prompt, n, draft, GREEDY, frozenset(EOS_TOKEN_IDS))
@@ -145,7 +145,7 @@ class OtherQ:
 
 
 def test_sampling_with_drafts_keeps_llamacpps_law_on_a_tiny_model(tiny_pair):
-    """Sampled chains of a noisy draft, verified (spec/verify.py) on llama.cpp's logits: the first two
+    """Sampled chains of a noisy draft, verified (spec_decode/verify.py) on llama.cpp's logits: the first two
     tokens of many seeded generations follow the law of llama.cpp's own sampling (from its
     single-token logits; its batched ones differ by rounding only), closer to it by far than to the
     draft's law; and the check has power: verifying with other positions' q fails it."""

@@ -14,7 +14,7 @@ from preloaded import start_server
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
-from starsd.spec.decode import speculative, target_only
+from starsd.spec_decode.decode import speculative, target_only
 from starsd.star.client import DraftClient, DraftServerError
 from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.processes import free_port

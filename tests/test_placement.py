@@ -11,7 +11,7 @@ import tiny
 from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig, ServerConfig
 from starsd.models.loading import logits_width, vocab_fingerprint
 from starsd.models.pair import Pair
-from starsd.spec.decode import speculative, target_only
+from starsd.spec_decode.decode import speculative, target_only
 from starsd.star.client import DraftClient, for_target, query_stats
 from starsd.star.launch import start_server
 from starsd.star.placement import least_loaded, should_move

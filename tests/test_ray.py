@@ -23,7 +23,7 @@ import tiny
 from starsd.config import ModelConfig, SamplingConfig
 from starsd.emulate import netns
 from starsd.models.pair import Pair
-from starsd.spec.decode import target_only
+from starsd.spec_decode.decode import target_only
 from starsd.star.processes import free_port, read_json_line, spawn
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'starsd[ray]')")

@@ -34,10 +34,10 @@ import tiny
 from lossless import assert_matches, expected_tv
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import Drafter
-from starsd.spec.decode import speculative_steps
-from starsd.spec.depth import DepthPolicy
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import warp
+from starsd.spec_decode.decode import speculative_steps
+from starsd.spec_decode.depth import DepthPolicy
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import warp
 from starsd.star import remote_drafter as client_module
 from starsd.star.client import DraftClient, query_stats
 from starsd.star.remote_drafter import RemoteDrafter, Timing
@@ -95,7 +95,7 @@ class Logits:
 
 
 class MemoSequence(list):
-    """The committed tokens; its passes are its own (spec/decode.py reads pass_ms)."""
+    """The committed tokens; its passes are its own (spec_decode/decode.py reads pass_ms)."""
 
     pass_ms = None
 

@@ -13,7 +13,7 @@ from starsd.config import DraftConfig, ModelConfig, PairConfig, SamplingConfig
 from starsd.emulate.replay import LatencyProfile, Recording, ReplayTarget, measure_latency, record, recording_path
 from starsd.models.pair import Pair
 from starsd.prompts import humaneval
-from starsd.spec.decode import speculative
+from starsd.spec_decode.decode import speculative
 from starsd.star.launch import start_server
 
 MAX_NEW = 40

@@ -14,7 +14,7 @@ import pytest
 import tiny
 from starsd.config import ModelConfig, SamplingConfig
 from starsd.models.pair import Pair
-from starsd.spec.decode import target_only
+from starsd.spec_decode.decode import target_only
 from starsd.star.processes import free_port, read_json_line, spawn
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

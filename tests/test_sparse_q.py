@@ -1,4 +1,4 @@
-"""A sampled draft's q (spec/sparse_q.py): a truncated support in 16 bits that the draft samples from
+"""A sampled draft's q (spec_decode/sparse_q.py): a truncated support in 16 bits that the draft samples from
 exactly, the same values on both sides of the wire, and a few hundred bytes a node on it."""
 
 import numpy as np
@@ -9,8 +9,8 @@ import tiny
 from lossless import gof_pvalue
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import ROOT, Drafter, Expansion
-from starsd.spec.sparse_q import SparseQ, normalise
-from starsd.spec.verify import make_generator, warp
+from starsd.spec_decode.sparse_q import SparseQ, normalise
+from starsd.spec_decode.verify import make_generator, warp
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
 from starsd.star.processes import free_port

@@ -9,9 +9,9 @@ import torch
 import tiny
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.spec.decode import speculative, target_only
-from starsd.spec.drafting import LocalDrafting
-from starsd.spec.verify import warp
+from starsd.spec_decode.decode import speculative, target_only
+from starsd.spec_decode.drafting import LocalDrafting
+from starsd.spec_decode.verify import warp
 
 GREEDY = SamplingConfig()
 FULL = dict(min_path_prob=0.0)  # draft the whole depth, however unlikely the path
@@ -106,7 +106,7 @@ def test_seeded_sampling_is_reproducible(tiny_target, tiny_drafters, draft):
 def _exact_two_token_distribution(target, prompt, s):
     """p(t1) and p(t2 | t1) of target-only sampling, from the target's own logits."""
     seq = target.start(prompt)
-    from starsd.spec.tree import DraftTree
+    from starsd.spec_decode.tree import DraftTree
 
     p1 = warp(target.score(seq, DraftTree.empty())[0], s)
     cond = {}
@@ -149,7 +149,7 @@ def test_sampled_output_follows_target_distribution(tiny_target, tiny_drafters, 
 def test_features_come_with_scores(tiny_target):
     """The last hidden states (EAGLE-1's features) are what the LM head reads; tapped ones are
     transformers' hidden_states of those layers, side by side (EAGLE-3's)."""
-    from starsd.spec.tree import DraftTree
+    from starsd.spec_decode.tree import DraftTree
 
     seq = tiny_target.start([1, 2, 3], taps=())
     assert seq.features.shape == (2, tiny_target.model.config.hidden_size)  # the prefill's rows
@@ -197,7 +197,7 @@ def test_int8_draft_weights_keep_a_scale_per_output_channel(tiny_target):
 def test_a_failed_score_leaves_the_cache_as_it_was(tiny_target, monkeypatch):
     """A forward pass that fails part-way used to leave the layers before the failure with extra
     cache entries; the sequence then scored its next draft against a corrupted cache."""
-    from starsd.spec.tree import DraftTree
+    from starsd.spec_decode.tree import DraftTree
 
     seq = tiny_target.start([5, 6, 7, 8])
     lengths = [layer.length for layer in seq.cache.layers]  # columns written, not the allocation
@@ -242,8 +242,8 @@ def test_a_draft_outside_the_targets_vocabulary_is_refused(tiny_target, tiny_dra
     """A drafter (a draft server with a bug, or a hostile one) that sends token ids the target does
     not have: those drafts are dropped, each such step decodes alone, and the output is the target's."""
     from starsd.config import DraftConfig, SamplingConfig
-    from starsd.spec.decode import speculative, target_only
-    from starsd.spec.tree import DraftTree
+    from starsd.spec_decode.decode import speculative, target_only
+    from starsd.spec_decode.tree import DraftTree
 
     good = tiny_drafters["perfect"]
     width = tiny_target.width

@@ -28,9 +28,9 @@ from gguf_tiny import VOCAB, write_tiny_model_dir
 from starsd.config import SamplingConfig
 from starsd.models.batcher import Job
 from starsd.models.target import TargetModel
-from starsd.spec.decode import target_only
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import Verdict
+from starsd.spec_decode.decode import target_only
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import Verdict
 from starsd.star.processes import free_port, read_json_line, spawn
 
 if not os.environ.get("STARSD_REQUIRE_REAL"):  # make test builds it: missing is a failure there

@@ -14,9 +14,9 @@ import tiny
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.models.target import TargetModel
-from starsd.spec.decode import speculative, target_only
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import Verdict
+from starsd.spec_decode.decode import speculative, target_only
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import Verdict
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -1,12 +1,12 @@
-"""Unit tests for starsd.spec.tree: DraftTree, depths, ancestor_mask, children."""
+"""Unit tests for starsd.spec_decode.tree: DraftTree, depths, ancestor_mask, children."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from starsd.spec.sparse_q import SparseQ
-from starsd.spec.tree import DraftTree, ancestor_mask, children, depths
+from starsd.spec_decode.sparse_q import SparseQ
+from starsd.spec_decode.tree import DraftTree, ancestor_mask, children, depths
 
 
 def t(xs):

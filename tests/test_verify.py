@@ -1,4 +1,4 @@
-"""Pure-tensor tests of starsd.spec.verify: warp, greedy verification, residual, and -- the heart of it --
+"""Pure-tensor tests of starsd.spec_decode.verify: warp, greedy verification, residual, and -- the heart of it --
 statistical losslessness of speculative sampling on chains and trees.
 
 Losslessness setup: a small-vocabulary *Markov* target. The target's next-token distribution after
@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from lossless import assert_matches
-from starsd.spec import verify as V_
+from starsd.spec_decode import verify as V_
 from starsd.config import SamplingConfig
-from starsd.spec.sparse_q import SparseQ
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import (Verdict, make_generator, next_token, residual, verify, verify_greedy,
+from starsd.spec_decode.sparse_q import SparseQ
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import (Verdict, make_generator, next_token, residual, verify, verify_greedy,
                            verify_stochastic, warp)
 
 T1 = SamplingConfig(temperature=1.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from starsd.config import ProposerSettings, ServerConfig
-from starsd.spec.tree import DraftTree
+from starsd.spec_decode.tree import DraftTree
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 from starsd.vllm.kernels import expand

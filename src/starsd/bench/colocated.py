@@ -18,7 +18,7 @@ import torch
 from starsd import config as C
 from starsd.results import Steps, bar_plot, summary, write_json
 from starsd.models.drafter import Drafter
-from starsd.spec.drafting import LocalDrafting
+from starsd.spec_decode.drafting import LocalDrafting
 from starsd.models.loading import load_eagle
 from starsd.models.pair import Pair
 from starsd.star import protocol as P

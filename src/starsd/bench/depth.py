@@ -27,8 +27,8 @@ from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_panels, summary, write_json
-from starsd.spec.decode import measure_verify, speculative, target_only
-from starsd.spec.depth import DepthPolicy
+from starsd.spec_decode.decode import measure_verify, speculative, target_only
+from starsd.spec_decode.depth import DepthPolicy
 from starsd.star.client import DraftClient
 from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.launch import start_server

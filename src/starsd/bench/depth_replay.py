@@ -10,7 +10,7 @@ a known number of levels, and min(that, accepted) tokens accepted. Recorded once
 (`record`), with what its passes cost on this host (a verify pass by width, as a target process
 measures them before its first stream; a drafted level, the drafter's own figure; the first
 draft's ingest of the prompt; the prefill), a stream can be replayed at any fixed depth or under a
-DepthPolicy (`replay`): the same calls the decoding loop makes (spec/decode.py, a drafter in this
+DepthPolicy (`replay`): the same calls the decoding loop makes (spec_decode/decode.py, a drafter in this
 process), every cost drawn about its measured value (log-normal, 5%), the tokens/s summed over
 prompts. A co-located real run of 6 prompts varies by about 5% between runs of the same depths; a
 replay, not at all for one seed.
@@ -33,8 +33,8 @@ from pathlib import Path
 from starsd import config as C
 from starsd.models.drafter import DraftJob, chain_levels as levels
 from starsd.results import Steps, bar_panels, summary, write_json
-from starsd.spec.decode import measure_verify, target_only
-from starsd.spec.depth import Costs, DepthPolicy
+from starsd.spec_decode.decode import measure_verify, target_only
+from starsd.spec_decode.depth import Costs, DepthPolicy
 
 FIXED = (1, 2, 3, 4, 6, 8, 10)  # fixed depths replayed beside the policy
 NOISE = 0.05  # sd of a cost's log-normal draw about its measured value
@@ -97,7 +97,7 @@ def record(pair, prompts, max_new_tokens: int, draft: C.DraftConfig, steps: Step
 def replay(trace: dict, prompt: dict, depth: int | None, policy: DepthPolicy | None, rng: random.Random,
            max_new_tokens: int, min_path_prob: float | None, noise: float = NOISE) -> tuple[int, float]:
     """(tokens, ms) of one prompt's answer at a fixed `depth`, or under `policy` (fresh or carried
-    over earlier prompts), as spec/decode.py drives it for a drafter in this process, its chains
+    over earlier prompts), as spec_decode/decode.py drives it for a drafter in this process, its chains
     stopping below `min_path_prob` (None: where the policy says, DepthPolicy.stop, as with
     DraftConfig.auto_stop); each cost drawn log-normally about its measured value (`noise`: the
     draws' sd)."""

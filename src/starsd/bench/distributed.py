@@ -22,7 +22,7 @@ from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_plot, summary, write_json
-from starsd.spec.decode import speculative
+from starsd.spec_decode.decode import speculative
 from starsd.star.client import DraftClient
 from starsd.star.remote_drafter import RemoteDrafter, Timing
 from starsd.star.launch import start_server

@@ -31,7 +31,7 @@ from starsd.models.loading import load_eagle
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, summary, write_json
-from starsd.spec.verify import verify_greedy
+from starsd.spec_decode.verify import verify_greedy
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
 from starsd.star.launch import start_server

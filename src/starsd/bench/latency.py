@@ -7,7 +7,7 @@ remote target on a host of its own, emulated from the real target's recorded ans
 latencies: on two cores N real targets cannot each have their own); N = 1 is the pair alone. Each
 mode runs every N side by side in one run:
 - fixed: every step drafts --draft-depth deep and waits for it, no pre-drafting (the paper's setting);
-- defaults: each step's depth chosen by the target (spec/depth.py), the server pre-drafting in its
+- defaults: each step's depth chosen by the target (spec_decode/depth.py), the server pre-drafting in its
   idle gaps, as both run by default.
 Per point, over the window:
 - draft ms per drafted token: the server's busy time over the tokens it drafted for the steps that

@@ -27,7 +27,7 @@ drafts free: the most speed-up over one token a pass that this engine and this d
 
 Each StarSD mode's greedy output is compared with its engine's target-only output on the same cores:
 the share of prompts equal; an output that differs is audited token by token against the engine's
-one-token passes (spec/audit.py: the engine's batched and single-token kernels round differently,
+one-token passes (spec_decode/audit.py: the engine's batched and single-token kernels round differently,
 so every divergence must be at a near-tie within the allowance measured on those tokens). Tokens/s are the decoding's, after the prompt's prefill (which costs every mode alike);
 llama-speculative-simple reports its own decoding speed, after its prompt. (The figures in
 docs/benchmarks.md were counted after each prompt's first step, as their text says: a mode whose
@@ -82,9 +82,9 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, wit
 
     from starsd.models.loading import vocab_fingerprint
     from starsd.models.pair import Pair
-    from starsd.spec.audit import audit
-    from starsd.spec.decode import measure_verify, speculative, target_only
-    from starsd.spec.depth import DepthPolicy
+    from starsd.spec_decode.audit import audit
+    from starsd.spec_decode.decode import measure_verify, speculative, target_only
+    from starsd.spec_decode.depth import DepthPolicy
     from starsd.star.client import DraftClient
     from starsd.star.remote_drafter import RemoteDrafter
 
@@ -121,8 +121,8 @@ def _runner(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, wit
 def verify_costs(target, ids: list[int], rounds: int = 9) -> dict[int, float]:
     """ms of one pass scoring k tokens (the root and a chain of k - 1) after `ids`, for k in WIDTHS:
     the median of `rounds` after an untimed one, each committing one token."""
-    from starsd.spec.tree import DraftTree
-    from starsd.spec.verify import Verdict
+    from starsd.spec_decode.tree import DraftTree
+    from starsd.spec_decode.verify import Verdict
 
     costs = {}
     for k in WIDTHS:

@@ -1,6 +1,6 @@
 """Sampled drafts across a slow link: a real target process and a real draft server on emulated hosts.
 
-A sampled draft's reply carries q over its support (spec/sparse_q.py): a few hundred bytes a node,
+A sampled draft's reply carries q over its support (spec_decode/sparse_q.py): a few hundred bytes a node,
 where the whole warped distribution took 4 V bytes (608 KB a node for V = 151,936: about 6 MB for a
 depth-10 reply). Here the draft server runs in one network namespace and a real target (`starsd
 target`) in another, joined by a veth pair shaped with `tc tbf`, with a delay proxy adding the round

@@ -1,4 +1,4 @@
-"""What a sampled draft's q costs on the wire and in acceptance: its support (spec/sparse_q.py) against
+"""What a sampled draft's q costs on the wire and in acceptance: its support (spec_decode/sparse_q.py) against
 the whole warped distribution that sampled drafts used to carry.
 
 Along real text (the target's own answers to prompts, teacher-forced) every position has a target
@@ -21,10 +21,10 @@ from starsd import config as C
 from starsd.models.pair import Pair
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_panels, summary, write_json
-from starsd.spec.decode import target_only
-from starsd.spec.sparse_q import SparseQ
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import warp
+from starsd.spec_decode.decode import target_only
+from starsd.spec_decode.sparse_q import SparseQ
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import warp
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ draft server is real. Modes, each measured over the same window after a warm-up:
 - batched: one draft server for N targets, the work-conserving batched loop.
 These four draft at the fixed depth --draft-depth without pre-drafting (the analytical model's
 subject). Beside them:
-- adaptive: the batched server, with each target choosing its depth step by step (spec/depth.py),
+- adaptive: the batched server, with each target choosing its depth step by step (spec_decode/depth.py),
   at most --draft-depth, 0 when decoding alone pays more;
 - predraft: the batched server at the fixed depth, pre-drafting in its idle time (star/ahead.py);
 - star: both, as a draft server and its targets run by default;

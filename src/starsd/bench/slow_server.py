@@ -5,7 +5,7 @@ server; the server itself answers as fast as ever, so heartbeats still say it is
 targets decode in three ways, side by side in one run, at each delay:
 - target-only: no drafts (the floor a draft server must never push a target below);
 - fixed depth: every step waits for its draft, however late (the behaviour without a guard);
-- adaptive: each draft gets the deadline the target's own decode time allows (spec/depth.py); a
+- adaptive: each draft gets the deadline the target's own decode time allows (spec_decode/depth.py); a
   step whose draft misses it decodes alone, and so do the steps after it for a while, each asking a
   draft ahead without waiting; a draft that comes back late is verified below the tokens committed
   meanwhile, as far as it still follows them.

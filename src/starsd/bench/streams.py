@@ -9,7 +9,7 @@ first sent to the last answered. The bound beside the result comes from the engi
 one pass of S streams' single tokens, measured in this process on the same cores (the target then
 has them alone): S tokens per such pass. Each request's text is compared with the prompt's greedy
 answer decoded alone in this process, one token a pass; a text that differs is audited token by
-token (spec/audit.py: the batched and single-stream kernels round differently, so every divergence
+token (spec_decode/audit.py: the batched and single-stream kernels round differently, so every divergence
 must be at a near-tie within the allowance measured on those tokens).
 """
 
@@ -49,8 +49,8 @@ def pass_costs(target, streams: int, widths: tuple[int, ...] = (1, 2, 4), contex
     """ms of one pass of s streams x k tokens each ("s x k"), for s up to `streams`: each slot's
     stream asks at once (a barrier), so the engine gathers them into one llama_decode; the median
     of `rounds` after one untimed pass."""
-    from starsd.spec.tree import DraftTree
-    from starsd.spec.verify import Verdict
+    from starsd.spec_decode.tree import DraftTree
+    from starsd.spec_decode.verify import Verdict
 
     ids = [(100 + i) % target.width for i in range(context)]
     costs: dict[str, float] = {}
@@ -114,8 +114,8 @@ def serve_round(pair: C.PairConfig, streams: int, prompts: list[str], max_tokens
 def main(args) -> int:
     from starsd.models.llamacpp import LlamaCppTarget, gguf_file
     from starsd.models.loading import load_tokenizer
-    from starsd.spec.audit import audit, following
-    from starsd.spec.decode import target_only
+    from starsd.spec_decode.audit import audit, following
+    from starsd.spec_decode.decode import target_only
     from starsd.star.launch import check_models
 
     if not 2 <= args.streams <= C.MAX_STREAMS:

@@ -344,10 +344,10 @@ def parts_at(got: list[int], want: list[int]) -> int | None:
 
 
 def llama_audit(pair: C.PairConfig, prompt_ids: list[int], emitted: list[int], n: int) -> dict:
-    """llama.cpp's output audited against its own one-token passes (spec/audit.py), as the hetero
+    """llama.cpp's output audited against its own one-token passes (spec_decode/audit.py), as the hetero
     target runs it (one thread, 4 tokens drafted a step)."""
     from starsd.models.pair import Pair
-    from starsd.spec.audit import audit
+    from starsd.spec_decode.audit import audit
 
     llama = dataclasses.replace(pair, target_engine="llamacpp", threads=1)
     target = Pair.load(llama.target_model(), None, pair.cache, 1).target

@@ -43,7 +43,7 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.errors import SettingError
 from starsd.models.drafter import DraftJob, Drafter, DraftSequence, chain_levels
 from starsd.models.kv import KV
-from starsd.spec.tree import DraftTree
+from starsd.spec_decode.tree import DraftTree
 
 
 def _key(tokens: list[int]) -> str:

@@ -27,8 +27,8 @@ from starsd.config import ModelConfig, SamplingConfig
 from starsd.models import pinned
 from starsd.models.loading import vocab_fingerprint
 from starsd.prompts import Prompt
-from starsd.spec.tree import DraftTree, depths
-from starsd.spec.verify import Verdict
+from starsd.spec_decode.tree import DraftTree, depths
+from starsd.spec_decode.verify import Verdict
 from starsd.theory.sysmodel import interpolate
 from starsd.errors import SettingError
 

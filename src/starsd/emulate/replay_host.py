@@ -21,9 +21,9 @@ from typing import Callable
 
 from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.emulate.replay import LatencyProfile, Recording, ReplaySequence, ReplayTarget, load_features
-from starsd.spec.decode import speculative, target_only, verify_widths
-from starsd.spec.depth import DepthPolicy
-from starsd.spec.verify import Verdict
+from starsd.spec_decode.decode import speculative, target_only, verify_widths
+from starsd.spec_decode.depth import DepthPolicy
+from starsd.spec_decode.verify import Verdict
 from starsd.star.client import DraftClient, for_target
 from starsd.star.remote_drafter import RemoteDrafter, Timing
 
@@ -129,7 +129,7 @@ class Host:
         policy = DepthPolicy(self.draft.depth)  # one per target: what it learns carries over its prompts
         rng = random.Random(self.seed * 100_003 + i)
         for w in verify_widths(policy.max_depth):  # what a target process measures before its first stream
-            for _ in range(3):  # (spec/decode.py, measure_verify): here, what its passes would wait
+            for _ in range(3):  # (spec_decode/decode.py, measure_verify): here, what its passes would wait
                 policy.verify_ms.add(w, self.latency.draw(w, rng))
         eos = frozenset(self.recording.eos_ids)
         while True:

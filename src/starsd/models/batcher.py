@@ -4,7 +4,7 @@ Each stream of a target server is driven by a thread of its own (star/target_ser
 needs a pass it submits a Job and waits. The Batcher's thread gathers the jobs and hands them to its
 engine's `run` together: one llama_decode (models/llamacpp.py), or one forward pass over rows of
 different lengths (models/target.py). Each job learns its share of the pass's time (`ms`): what a
-draft costs its stream when others share the pass (spec/decode.py reads it as seq.pass_ms).
+draft costs its stream when others share the pass (spec_decode/decode.py reads it as seq.pass_ms).
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.models import forward as fw
 from starsd.models.eagle import EagleHead
 from starsd.models.kv import KV
-from starsd.spec.drafting import LocalDrafting
-from starsd.spec.sparse_q import SparseQ
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import sample, warp
+from starsd.spec_decode.drafting import LocalDrafting
+from starsd.spec_decode.sparse_q import SparseQ
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import sample, warp
 
 SOLO_INGEST = 32  # an ingest longer than this (a prompt) runs on its own instead of padding a batch
 ROOT = -1  # the parent of a tree's first level
@@ -189,7 +189,7 @@ class Drafter(LocalDrafting):
     def level_ms(self) -> float:
         """What a drafted level has cost of late (the median over the last drafts, each draft's levels
         after its first: the first comes with ingesting the new tokens, a prompt for a stream's
-        first draft; 0: none drafted yet). A stream drafting here takes it as its prior (spec/decode.py)."""
+        first draft; 0: none drafted yet). A stream drafting here takes it as its prior (spec_decode/decode.py)."""
         return statistics.median(self.levels) if self.levels else 0.0
 
     @property
@@ -204,7 +204,7 @@ class Drafter(LocalDrafting):
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> DraftSequence:
         """A sequence for `prompt_ids`. The first draft's settings are those of the Drafter
-        interface (spec/decode.py); in this process nothing can run beside the target's prefill.
+        interface (spec_decode/decode.py); in this process nothing can run beside the target's prefill.
         An EAGLE head's sequence starts at the second token, whose feature is the first's."""
         tokens = list(prompt_ids[1:] if self.eagle else prompt_ids)
         return DraftSequence(tokens, KV.allocate(self.model, 1, len(tokens) + 64))

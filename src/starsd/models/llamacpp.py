@@ -40,8 +40,8 @@ from starsd.config import LLAMACPP_SEQUENCES, MAX_STREAMS, ModelConfig
 from starsd.errors import StarsdError
 from starsd.models import pinned
 from starsd.models.batcher import Batcher, Job
-from starsd.spec.tree import DraftTree, children, depths
-from starsd.spec.verify import Verdict
+from starsd.spec_decode.tree import DraftTree, children, depths
+from starsd.spec_decode.verify import Verdict
 
 MAX_SEQUENCES = LLAMACPP_SEQUENCES  # shared by the slots: their trees' leaves
 PREFILL_CHUNK = 512  # tokens a prefill submits in one llama_decode

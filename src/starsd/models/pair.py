@@ -14,8 +14,8 @@ from starsd.models.loading import (check_pair, eos_ids, generation_config, load_
                                    logits_width)
 from starsd.models.target import TargetModel
 from starsd.prompts import Prompt
-from starsd.spec.decode import Generation, speculative, target_only, warm_up
-from starsd.spec.depth import DepthPolicy
+from starsd.spec_decode.decode import Generation, speculative, target_only, warm_up
+from starsd.spec_decode.depth import DepthPolicy
 
 
 @dataclass

@@ -38,8 +38,8 @@ import torch
 from starsd.models import forward as fw
 from starsd.models.batcher import Batcher, Job
 from starsd.models.kv import KV
-from starsd.spec.tree import DraftTree, ancestor_mask, depths
-from starsd.spec.verify import Verdict
+from starsd.spec_decode.tree import DraftTree, ancestor_mask, depths
+from starsd.spec_decode.verify import Verdict
 
 
 SPARE = 256  # columns allocated beyond the prompt: the first drafts fit before the KV grows

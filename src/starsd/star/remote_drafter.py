@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.spec.sparse_q import SparseQ
-from starsd.spec.tree import DraftTree
+from starsd.spec_decode.sparse_q import SparseQ
+from starsd.spec_decode.tree import DraftTree
 from starsd.star import protocol as P
 from starsd.star.client import GO_ON_ALONE, DraftClient, DraftServerError
 from starsd.star.hosts import server_on_this_host, shares_cores
@@ -172,7 +172,7 @@ class RemoteDrafter:
         self.asynchronous = not shares_cores(self.client.address, torch.get_num_threads())
         # A server on this host drafts on the cores its targets verify on, whatever the threads: what
         # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
-        # (spec/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
+        # (spec_decode/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
         self.cohosted = server_on_this_host(self.client.address) if self._cohosted is None else self._cohosted
 
     def _move(self, why: str, to: str | None = None) -> None:
@@ -239,12 +239,12 @@ class RemoteDrafter:
                 features: torch.Tensor | None = None, more: int = 0) -> DraftTree:
         """`generator` is unused: a sampled draft draws from the server's per-session generator,
         seeded as the co-located drafter's is, so seeded runs match. A draft that has not come
-        within `deadline_ms` (spec/depth.py; 0: ask without waiting) gives an empty draft; its
+        within `deadline_ms` (spec_decode/depth.py; 0: ask without waiting) gives an empty draft; its
         request stays in flight, and a later call reads its reply first: if the tokens committed
         since it was asked spell a path of its tree, the subtree below that path is that call's
         draft (DraftTree.follow; `seq.behind` says how many tokens late it is), else it is dropped
         and the next request goes out. `features`: for an EAGLE head, the target's features of the
-        new tokens (spec/decode.py); a stream that began without them, or for another head,
+        new tokens (spec_decode/decode.py); a stream that began without them, or for another head,
         decodes alone. `more`: other streams' requests this process sends right after this one, at
         most (the server may wait for them and draft them in one batch: protocol.DraftRequest)."""
         seq.tokens.extend(new_tokens)
@@ -301,7 +301,7 @@ class RemoteDrafter:
         return tree
 
     def keep_up(self, seq: RemoteSequence) -> None:
-        """On a step that asks no draft (spec/decode.py): a new session's Welcome is read, or a new
+        """On a step that asks no draft (spec_decode/decode.py): a new session's Welcome is read, or a new
         hello sent when one is due, as at any step. A target that stopped asking for a while (no
         draft pays, or it paused after missed deadlines) would otherwise leave the Welcome unread,
         and the server frees a session it hears nothing of."""
@@ -420,7 +420,7 @@ class RemoteDrafter:
                 seq.behind = len(seq.tokens) - seq.sent
                 return reply, tree
         features = () if seq.taps is None else seq.feature_rows(seq.sent, cfg.feature_bits)
-        if seq.sent == 0:  # the step's cfg says where its chain stops (the policy's choice, spec/decode.py)
+        if seq.sent == 0:  # the step's cfg says where its chain stops (the policy's choice, spec_decode/decode.py)
             self.client.send_draft(seq.tokens, budget, cfg, sampling, features, cfg.min_path_prob, more)
         else:
             self.client.send_draft(seq.tokens[seq.sent:], budget, features=features, stop=cfg.min_path_prob, more=more)

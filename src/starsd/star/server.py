@@ -30,7 +30,7 @@ import torch
 
 from starsd.config import MAX_DRAFT_NODES, DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import DraftJob, Drafter
-from starsd.spec.tree import DraftTree
+from starsd.spec_decode.tree import DraftTree
 from starsd.star import ahead
 from starsd.star import protocol as P
 from starsd.star.sessions import Refused, Session, Sessions
@@ -103,7 +103,7 @@ class DraftServer:
         its later ones (its buffers, the first touch of its weights), and what a step's level costs
         is what each Welcome tells a new stream to expect (ServerStats.level_ms), from the first
         target on: a target that shares this host weighs a draft's compute against its own passes
-        before it asks one (spec/depth.py). A drafter that drafts from a target's features (an EAGLE
+        before it asks one (spec_decode/depth.py). A drafter that drafts from a target's features (an EAGLE
         head) has none to draft from, and starts cold."""
         if self.drafter.taps is not None:
             return
@@ -118,7 +118,7 @@ class DraftServer:
                 self.stats.level((time.perf_counter() - start) * 1e3, tree.depth(), 1)
         # then two prompts of a warm model, a short and a long one, each drafted one level: what the long
         # one took more, per token more, is what each token of a new stream's prompt costs (a co-hosted
-        # target weighs its first draft with it: spec/depth.py, `unsent`); the long one's time per token
+        # target weighs its first draft with it: spec_decode/depth.py, `unsent`); the long one's time per token
         # where a tiny model's noise hides the difference
         short, long = (self._first_draft_ms(n) for n in (self.WARM_PROMPT // 8, self.WARM_PROMPT))
         extra = (long - short) / (self.WARM_PROMPT - self.WARM_PROMPT // 8)

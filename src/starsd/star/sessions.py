@@ -24,7 +24,7 @@ import torch
 from starsd.config import MAX_DRAFT_NODES, DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import Drafter, DraftSequence
 from starsd.models.kv import KV
-from starsd.spec.verify import make_generator
+from starsd.spec_decode.verify import make_generator
 from starsd.star import protocol as P
 from starsd.star.ahead import Outcome
 from starsd.star.stats import ServerStats

@@ -27,8 +27,8 @@ import zmq
 from starsd.config import DraftConfig, ServingKeys
 from starsd.errors import Unavailable
 from starsd.models.pair import Pair
-from starsd.spec.decode import measure_verify, speculative_steps, target_only_steps
-from starsd.spec.depth import DepthPolicy
+from starsd.spec_decode.decode import measure_verify, speculative_steps, target_only_steps
+from starsd.spec_decode.depth import DepthPolicy
 from starsd.star import protocol as P
 from starsd.star import security
 from starsd.star.client import DraftClient

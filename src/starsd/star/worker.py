@@ -14,8 +14,8 @@ from starsd.config import ClientKeys, DraftConfig, PairConfig, SamplingConfig
 from starsd.models.loading import vocab_fingerprint
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
-from starsd.spec.decode import measure_verify, speculative, target_only
-from starsd.spec.depth import DepthPolicy
+from starsd.spec_decode.decode import measure_verify, speculative, target_only
+from starsd.spec_decode.depth import DepthPolicy
 from starsd.star.client import DraftClient
 from starsd.star.remote_drafter import RemoteDrafter, Timing
 

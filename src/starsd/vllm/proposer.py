@@ -8,7 +8,7 @@ out. So whatever the server drafts, vLLM's output is its own.
         '{"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": 4}'
 
 Each vLLM request is a session on the draft server (rows.py tells them apart), drafting as a target
-server's stream does: its depth chosen each step from measured costs (spec/depth.py), drafts asked
+server's stream does: its depth chosen each step from measured costs (spec_decode/depth.py), drafts asked
 ahead of the step that uses them where the server is on another host, several servers with
 failover, CurveZMQ keys (config.ProposerSettings). It fails open: a draft server that is slow, gone
 or refuses gives empty drafts for that step, and vLLM decodes on.
@@ -26,8 +26,8 @@ import numpy as np
 
 from starsd.config import DraftConfig, ProposerSettings, SamplingConfig
 from starsd.models.loading import vocab_fingerprint
-from starsd.spec.depth import DepthPolicy
-from starsd.spec.tree import DraftTree
+from starsd.spec_decode.depth import DepthPolicy
+from starsd.spec_decode.tree import DraftTree
 from starsd.star.client import DraftClient, for_target
 from starsd.star.hosts import server_on_this_host
 from starsd.star.remote_drafter import RemoteDrafter, RemoteSequence
@@ -55,7 +55,7 @@ class Stream:
     asked: int = 0  # the depth of the draft it gave vLLM at its last step (0: none)
     asked_for: int | None = None  # the depth it waited for then (None: a draft asked earlier, or none)
     given: bool = False  # it gave vLLM its row's draft (or none) at the last call: the next tells the outcome
-    cfg: DraftConfig | None = None  # this step's draft: its chain stops where the policy's costs say (spec/depth.py, stop)
+    cfg: DraftConfig | None = None  # this step's draft: its chain stops where the policy's costs say (spec_decode/depth.py, stop)
     draft_ms: float | None = None  # that wait
     ingests: bool = False  # this step's request carries the whole prefix (a reset): its wait is no draft's cost
 
@@ -156,7 +156,7 @@ class Proposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         waits = {}
         # A co-hosted server's sessions of targets on its host are each a target its compute slows
-        # (spec/depth.py, `neighbours`), but not this engine's own rows: they wait for their drafts
+        # (spec_decode/depth.py, `neighbours`), but not this engine's own rows: they wait for their drafts
         # together, and each row's wait holds the batch's compute already. Counted as neighbours, they
         # made a draft of vLLM's 3 rows look three times its cost.
         self.on_server = collections.Counter(st.drafter.client.address for st in self.streams)
@@ -296,7 +296,7 @@ class Proposer:
             return []
         if stream.ingests:  # the server ingested the row's whole prefix too: not what a draft costs to wait
             # for, but its levels tell what one costs a level until the stream measures it (as
-            # spec/decode.py does a stream's first draft). Counted, a first draft's 451 ms for 2 levels
+            # spec_decode/decode.py does a stream's first draft). Counted, a first draft's 451 ms for 2 levels
             # (a HumanEval prompt's ingest) made a stream's drafts look 448 ms a level dearer for good:
             # the rows of bench vllm's star-remote drafted one token a step, 1.06x vLLM alone
             stream.policy.server_prior(stream.drafter.level_ms)

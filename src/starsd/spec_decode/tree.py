@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from starsd.spec.sparse_q import SparseQ
+from starsd.spec_decode.sparse_q import SparseQ
 
 
 @dataclass

@@ -41,7 +41,7 @@ and no wait, a co-hosted server's compute aside: on one core, verifying one draf
 more than two passes of one, and no look at one level can find it paying), and never while a
 co-hosted server holds none of the stream: the look would have it ingest the whole prompt on the
 targets' cores. A target process measures its verify costs by width before its first stream
-(spec/decode.py, `measure_verify`), so that the very first choice weighs a draft against them. A
+(spec_decode/decode.py, `measure_verify`), so that the very first choice weighs a draft against them. A
 stream that drafts in its own process (co-located, `inline`) takes the drafter's recent cost per
 level as its prior for a draft, and counts that compute when it weighs a look, as it does a
 co-hosted server's.
@@ -269,16 +269,16 @@ class DepthPolicy:
     # each of them too (the server said how many: its sessions of targets on its host)
     inline: bool = False  # drafts are computed when asked and waited for (a drafter in this process, or a
     # server sharing its cores: never asked ahead): a draft's wait is its compute, the same at every look
-    holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec/decode.py sets it)
-    moves: int = 0  # the drafter's moves to another server, as of the last new_server (spec/decode.py)
+    holds: bool = False  # the drafter was asked a draft of this stream: it holds its prompt (spec_decode/decode.py sets it)
+    moves: int = 0  # the drafter's moves to another server, as of the last new_server (spec_decode/decode.py)
     share_ms: Costs = None  # a co-hosted server's compute on one stream's draft, by depth
     stops: bool = False  # each step's chain stops where stop() says (DraftConfig.auto_stop): a draft is
-    # asked as deep as the step allows, and its chain runs as deep as it pays (spec/decode.py sets it)
+    # asked as deep as the step allows, and its chain runs as deep as it pays (spec_decode/decode.py sets it)
     unsent: int = 0  # tokens of the stream the drafter does not hold: the prompt until its first draft, then
-    # those decoded alone since the last one (spec/decode.py sets it before each choice)
+    # those decoded alone since the last one (spec_decode/decode.py sets it before each choice)
     ingest_ms: float = 0.0  # the drafter's time to ingest one such token (0: not known; the drafter says it)
     server_ms: float = 0.0  # a remote server's own time on a request (queue and draft), as its replies say
-    # (spec/decode.py sets it before each choice)
+    # (spec_decode/decode.py sets it before each choice)
     probe: int = 0  # a look at drafting to ask ahead at this step instead of waiting for it (choose, ahead)
 
     def __post_init__(self):

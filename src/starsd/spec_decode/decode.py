@@ -5,7 +5,7 @@ be compared token for token with target-only output. They work on interfaces, no
 a target has `device`, `start`, `score` and `commit` (models.target.TargetModel, or a replay
 target), and the sequence its `start` returns has `pass_ms`, the stream's share of its last
 scoring pass where the engine shares passes among streams (None: the pass was the stream's own,
-and the loop's clock tells its cost); a drafter is a DraftSource (spec/drafting.py: models.drafter.Drafter in this process,
+and the loop's clock tells its cost); a drafter is a DraftSource (spec_decode/drafting.py: models.drafter.Drafter in this process,
 star.remote_drafter.RemoteDrafter on a draft server), and may say it is `asynchronous`: a draft
 can then be asked without waiting, on a step that decodes alone, and taken at a later step as far
 as it still follows what was committed meanwhile (its sequence's `behind` says how late the draft
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.spec.depth import DepthPolicy
-from starsd.spec.drafting import DraftSource
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import Verdict, make_generator, next_token, verify
+from starsd.spec_decode.depth import DepthPolicy
+from starsd.spec_decode.drafting import DraftSource
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import Verdict, make_generator, next_token, verify
 from starsd.errors import SettingError
 
 
@@ -146,7 +146,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     """Draft -> verify -> accept until the budget or an EOS, one Step per target pass; a consumer
     that stops iterating ends the stream. With draft_cfg.adaptive a DepthPolicy picks each step's
     depth, 0 meaning no draft: the committed tokens then go to the drafter with the next one. It
-    also gives each draft a deadline (spec/depth.py): a draft that misses it comes back empty from
+    also gives each draft a deadline (spec_decode/depth.py): a draft that misses it comes back empty from
     a remote drafter, and that step decodes alone. Pass one `policy` to every generation of a
     stream, so that what it learnt carries over."""
     require_prompt(prompt_ids)
@@ -194,7 +194,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         policy.prefill((time.perf_counter() - t_prefill) * 1e3)
     if inline and max_new_tokens > 0:  # a draft computed when asked, nothing to overlap with the prefill:
         depth = pick(max_new_tokens)  # the first depth is chosen after the prefill (a fresh policy decodes
-        # the first step alone, measuring what every draft is weighed against: spec/depth.py, choose)
+        # the first step alone, measuring what every draft is weighed against: spec_decode/depth.py, choose)
     new_features = [] if taps is None or seq.features is None else [seq.features]  # theirs, for a feature-level drafter
     done = max_new_tokens <= 0
     while not done:
@@ -291,7 +291,7 @@ def measure_verify(target, policy: DepthPolicy, rounds: int = 3, context: int = 
     finds out what a draft must win back by verifying drafts that do not pay: a llama.cpp target on
     one core here scores 11 tokens in about 300 ms against 70 for one, and a local star's first
     requests each spent a second or more learning it. Each width `rounds` times (a width measured 3
-    times counts for good, spec/depth.py's Costs), in turns, after one untimed pass (the engine's
+    times counts for good, spec_decode/depth.py's Costs), in turns, after one untimed pass (the engine's
     first touch of its buffers); a stream's own passes replace these as they come (the median of
     the last few)."""
     width = getattr(target, "width", None) or 1 << 16

@@ -1,4 +1,4 @@
-"""The seam between the decode loop (spec/decode.py) and a drafter: what the loop asks of one.
+"""The seam between the decode loop (spec_decode/decode.py) and a drafter: what the loop asks of one.
 
 Two kinds implement it: models.drafter.Drafter, a draft model in this process, whose draft costs its
 caller the time it takes (LocalDrafting's answers), and star.remote_drafter.RemoteDrafter, a draft
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.spec.tree import DraftTree
+from starsd.spec_decode.tree import DraftTree
 
 
 class DraftSource(Protocol):

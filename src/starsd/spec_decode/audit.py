@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from starsd.spec.tree import DraftTree
-from starsd.spec.verify import Verdict
+from starsd.spec_decode.tree import DraftTree
+from starsd.spec_decode.verify import Verdict
 
 CANDIDATES = 8  # the tokens a position's margins are measured between: its top ones, one-token pass
 

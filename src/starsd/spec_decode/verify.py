@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from starsd.config import SamplingConfig
-from starsd.spec.tree import DraftTree, children
+from starsd.spec_decode.tree import DraftTree, children
 
 
 def warp(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
