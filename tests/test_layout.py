@@ -38,11 +38,35 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("starsd.")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("starsd"):
-            if node.module == "starsd":  # from starsd import config
-                found |= {f"starsd.{a.name}" for a in node.names}
+            package = ROOT.parent / node.module.replace(".", "/")
+            if package.is_dir():  # from starsd import config; from starsd.star import protocol
+                found |= {f"{node.module}.{a.name}" for a in node.names}
             else:
                 found.add(node.module)
     return found
+
+
+def modules() -> dict[str, Path]:
+    return {"starsd." + ".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def test_no_import_circle():
+    """No module imports, through others, a module that imports it: at the top or inside a function
+    (an import hidden in a function to break a circle is a circle all the same)."""
+    graph = {m: {i for i in imports(p) if i in modules()} for m, p in modules().items()}
+    circles = []
+
+    def visit(module: str, path: list[str], seen: set[str]) -> None:
+        for nxt in sorted(graph[module]):
+            if nxt == path[0]:
+                circles.append(" -> ".join(path + [nxt]))
+            elif nxt not in seen and nxt > path[0]:  # each circle once, from its least module
+                seen.add(nxt)
+                visit(nxt, path + [nxt], seen)
+
+    for start in sorted(graph):
+        visit(start, [start], {start})
+    assert not circles, "\n".join(circles)
 
 
 def test_no_part_imports_a_higher_one():

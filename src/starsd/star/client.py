@@ -11,7 +11,6 @@ import math
 import random
 import threading
 import time
-import uuid
 
 import torch
 import zmq
@@ -25,7 +24,6 @@ from starsd.star.placement import Loads, least_loaded, should_move
 
 log = logging.getLogger("starsd.client")
 
-SEND_TIMEOUT_MS = 5000  # a send that cannot even be queued (connect(), below)
 # Refusals after which a target decodes alone and asks again later: the server is absent, or full.
 GO_ON_ALONE = ("busy", "unreachable", "timeout", "too_many_sessions", "kv_full", "bad_reply")
 
@@ -36,23 +34,6 @@ class DraftServerError(StarsdError, RuntimeError):
     def __init__(self, code: str, message: str):
         super().__init__(f"draft server: {message} [{code}]")
         self.code = code
-
-
-def connect(ctx: zmq.Context, address: str, keys: ClientKeys, send_hwm: int = 0) -> zmq.Socket:
-    """A DEALER socket with a fresh random routing id, connected to `address` (authenticating with
-    `keys` if given); `send_hwm` > 0 bounds the messages it queues while the server is away."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    # A message that cannot even be queued fails instead of blocking for good. A DEALER queues for a
-    # server that is away or refuses its key (tried); a test's hello once blocked in send all the
-    # same, with no connection taking messages (the cause was not found)
-    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-    if send_hwm:
-        sock.setsockopt(zmq.SNDHWM, send_hwm)
-    security.guard_client(sock, keys.curve_key, keys.curve_server_key)
-    sock.connect(address)
-    return sock
 
 
 def query_stats(address: str, name: str = "stats", timeout_s: float = 10.0,
@@ -128,7 +109,7 @@ class DraftClient:
         self.hello_pending = False  # a Hello went out on this socket and no Welcome or refusal was read since
 
     def _socket(self) -> zmq.Socket:
-        return connect(self.ctx, self.address, self.keys)
+        return security.connect(self.ctx, self.address, self.keys)
 
     def hello(self, timeout_s: float | None = None) -> P.Welcome:
         self.send_hello()
@@ -357,7 +338,7 @@ class DraftClient:
             self.sock.send_multipart(P.encode(msg, tensors), copy=False)
         except zmq.Again:
             raise DraftServerError("unreachable", f"{self.address} takes no message: no connection to it "
-                                                  f"takes one within {SEND_TIMEOUT_MS / 1e3:.0f} s") from None
+                                                  f"takes one within {security.SEND_TIMEOUT_MS / 1e3:.0f} s") from None
 
     def _receive(self, want: type, step: int = -1, timeout_s: float | None = None, until: float | None = None):
         """The next message, which must be a `want`; None if `until` (monotonic s) passes first. An
@@ -416,7 +397,7 @@ class Heartbeat(threading.Thread):
         return time.monotonic() - self._last_pong
 
     def run(self) -> None:
-        sock = connect(zmq.Context.instance(), self.address, self.keys, send_hwm=4)  # pings to a dead server
+        sock = security.connect(zmq.Context.instance(), self.address, self.keys, send_hwm=4)  # pings to a dead server
         # are dropped, not queued up for its successor
         try:
             while not self._stop_event.wait(self.interval_s):

@@ -26,6 +26,7 @@ import zmq
 
 from starsd.config import ClientKeys
 from starsd.star import protocol as P
+from starsd.star import security
 
 
 class Loads(threading.Thread):
@@ -60,9 +61,8 @@ class Loads(threading.Thread):
         self._first.wait(timeout_s)
 
     def run(self) -> None:
-        from starsd.star.client import connect  # client.py imports this module
         ctx = zmq.Context.instance()
-        socks = {a: connect(ctx, a, self.keys, send_hwm=4) for a in self.addresses}  # pings to a dead
+        socks = {a: security.connect(ctx, a, self.keys, send_hwm=4) for a in self.addresses}  # pings to a dead
         # server are dropped, not queued up for its successor
         poller = zmq.Poller()
         for sock in socks.values():
@@ -76,7 +76,7 @@ class Loads(threading.Thread):
                         socks.pop(old).close(0)
                         self._seen.pop(old, None)
                         if new not in socks:
-                            socks[new] = connect(ctx, new, self.keys, send_hwm=4)
+                            socks[new] = security.connect(ctx, new, self.keys, send_hwm=4)
                             poller.register(socks[new], zmq.POLLIN)
                         self.addresses = [new if a == old else a for a in self.addresses]
                 by_sock = {sock: a for a, sock in socks.items()}

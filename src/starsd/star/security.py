@@ -1,4 +1,5 @@
-"""Who may talk to a StarSD socket: CurveZMQ keys, and the rule for listening without them.
+"""Who may talk to a StarSD socket: CurveZMQ keys, the rule for listening without them, and a
+client's socket, connected with its keys.
 
 `starsd keys DIR NAME` writes a key pair with pyzmq's zmq.auth: DIR/NAME.key holds the public key
 (give it to the peers) and DIR/NAME.key_secret both keys (keep it). A server given its secret key
@@ -17,12 +18,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import uuid
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from starsd.config import ClientKeys
 from starsd.errors import StarsdError, Unavailable
 
 
@@ -138,3 +141,23 @@ def peer_key(frame: zmq.Frame) -> str:
         return frame.get("User-Id") or ""
     except (zmq.ZMQError, KeyError):
         return ""
+
+
+SEND_TIMEOUT_MS = 5000  # a send that cannot even be queued (connect(), below)
+
+
+def connect(ctx: zmq.Context, address: str, keys: ClientKeys, send_hwm: int = 0) -> zmq.Socket:
+    """A DEALER socket with a fresh random routing id, connected to `address` (authenticating with
+    `keys` if given); `send_hwm` > 0 bounds the messages it queues while the server is away."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # A message that cannot even be queued fails instead of blocking for good. A DEALER queues for a
+    # server that is away or refuses its key (tried); a test's hello once blocked in send all the
+    # same, with no connection taking messages (the cause was not found)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    if send_hwm:
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
+    guard_client(sock, keys.curve_key, keys.curve_server_key)
+    sock.connect(address)
+    return sock
