@@ -11,7 +11,7 @@ import pytest
 import tiny
 from starsd import cli
 from starsd import config as C
-from starsd.bench import harness, metrics, scale
+from starsd.bench import harness, metrics, profiles, scale
 from starsd.theory import sysmodel
 
 
@@ -116,11 +116,11 @@ def test_out_of_sample_profile_takes_the_sweeps_shape_and_the_n1_points_scale():
     in_sample = sysmodel.Profile({1: 90.0, 4: 200.0}, return_ms=300.0, tokens_per_iteration=3.0)
     points = [{"mode": "batched", "n": 1, "batch_times": [(1, 100.0), (1, 120.0)]},
               {"mode": "batched", "n": 4, "batch_times": [(4, 999.0)]}]  # never read: another point
-    got = scale.calibrated_profile(points, {"1": [50.0, 60.0], "2": [80.0]}, in_sample)
+    got = profiles.calibrated_profile(points, {"1": [50.0, 60.0], "2": [80.0]}, in_sample)
     assert got.service_ms == pytest.approx({1: 110.0, 2: 160.0})
     assert got.return_ms == 300.0 and got.tokens_per_iteration == 3.0
-    assert scale.calibrated_profile(points[1:], {"1": [50.0]}, in_sample) is None
-    whole = scale.calibrated_profile(points, {"1": [50.0]}, in_sample, tokens=[2, 5, 5])  # the recording's tau
+    assert profiles.calibrated_profile(points[1:], {"1": [50.0]}, in_sample) is None
+    whole = profiles.calibrated_profile(points, {"1": [50.0]}, in_sample, tokens=[2, 5, 5])  # the recording's tau
     assert whole.tokens_per_iteration == 4.0 and whole.tokens_samples == (2, 5, 5) and whole.return_ms == 300.0
 
 
@@ -131,10 +131,10 @@ def test_out_of_sample_profile_carries_the_resets_the_n1_server_ingested():
     work = {"reset_rows": 1, "reset_tokens": 100, "step_rows": 9, "step_tokens": 40}  # 10 prompt tokens per request
     points = [{"mode": "batched", "n": 1, "batch_times": [(1, 120.0)], "server_work": work}]
     sweep = {"1": [50.0], "4": [110.0]}
-    got = scale.calibrated_profile(points, sweep, in_sample, reset_ms_per_token=1.0)
+    got = profiles.calibrated_profile(points, sweep, in_sample, reset_ms_per_token=1.0)
     # shape: S(1) 50 + 10 = 60, S(4) 110 + 40 = 150; k = 120 / 60
     assert got.service_ms == pytest.approx({1: 120.0, 4: 300.0})
-    without = scale.calibrated_profile(points, sweep, in_sample)
+    without = profiles.calibrated_profile(points, sweep, in_sample)
     assert without.service_ms == pytest.approx({1: 120.0, 4: 264.0})
     both = scale.calibrations({"points": points, "service_sweep_ms": sweep, "reset_ms_per_token": 1.0}, in_sample)
     assert both["out_of_sample"].service_ms == got.service_ms

@@ -50,6 +50,19 @@ def modules() -> dict[str, Path]:
     return {"starsd." + ".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in sorted(ROOT.rglob("*.py"))}
 
 
+SHARED_BY_BENCHMARKS = {"harness", "metrics", "profiles", "recorded", "vllm_runs"}  # bench/'s helpers, no command
+
+
+def test_no_benchmark_imports_another():
+    """A benchmark takes what it shares with others from bench/'s helper modules, not from another."""
+    leaning = []
+    for module, path in modules().items():
+        if part(module) == "bench" and module.count(".") == 2:
+            leaning += [f"{module} imports {m}" for m in imports(path) if part(m) == "bench" and m.count(".") == 2
+                        and m.split(".")[2] not in SHARED_BY_BENCHMARKS | {"__init__"}]
+    assert not leaning, "\n".join(leaning)
+
+
 def test_no_import_circle():
     """No module imports, through others, a module that imports it: at the top or inside a function
     (an import hidden in a function to break a circle is a circle all the same)."""

@@ -50,6 +50,7 @@ import time
 
 from starsd import config as C
 from starsd.prompts import load as load_prompts
+from starsd.bench.recorded import bound, record_drafts, wait_for
 from starsd.results import Steps, bar_panels, cpu_kind, summary, write_json
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +144,7 @@ class Runner:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_runner, args=(child, cores, pair, draft, with_draft, server), daemon=True)
         self.proc.start()
-        _wait(self.conn, self.proc, 600, "a benchmark runner's start")
+        wait_for(self.conn, self.proc, 600, "a benchmark runner's start")
         if self.conn.recv() != "ready":
             raise RuntimeError("a benchmark runner did not start")
 
@@ -154,17 +155,6 @@ class Runner:
     def close(self) -> None:
         self.conn.send(None)
         self.proc.join(30)
-
-
-def _wait(conn, proc, seconds: float, what: str) -> None:
-    """Until a child process has something to say; it must not die or take longer than `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not conn.poll(1):
-        if not proc.is_alive():
-            raise RuntimeError(f"{what} failed: its process exited ({proc.exitcode})")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{what} took more than {seconds:.0f} s")
 
 
 def llama_speculative(binary: str, target: str, draft: str, text: str, n: int, draft_max: int) -> dict:
@@ -184,66 +174,10 @@ def llama_speculative(binary: str, target: str, draft: str, text: str, n: int, d
             "accepted_share": float(accept.group(1)) / 100 if accept else None, "command": " ".join(cmd[:1] + cmd[3:4])}
 
 
-def _record(conn, cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, paths: list, out: str) -> None:
-    """A child process on `cores`: the real drafter's drafts below every prefix of `paths`, timed
-    (emulate/draft_host.py), saved to `out`; sends the fitted cost."""
-    os.sched_setaffinity(0, cores)
-    import torch
-
-    from starsd.emulate.draft_host import record
-    from starsd.models.pair import load_drafter
-
-    torch.set_num_threads(len(cores))
-    drafter, _ = load_drafter(pair)
-    # whole chains, each level's path probability kept: a stream's policy chooses where each of its chains stops
-    rec = record(drafter, paths, dataclasses.replace(draft, min_path_prob=0.0), f"{len(cores)} core(s), {cpu_kind()}")
-    rec.save(out)
-    conn.send(dataclasses.asdict(rec.cost))
-
-
-def record_drafts(cores: set[int], pair: C.PairConfig, draft: C.DraftConfig, paths: list, out: str) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_record, args=(child, cores, dataclasses.replace(pair, threads=len(cores)), draft, paths,
-                                             out), daemon=True)
-    proc.start()
-    _wait(conn, proc, 1800, "recording the drafts")
-    cost = conn.recv()
-    proc.join(30)
-    return cost
-
-
-def bound(recording: str, paths: list, costs: dict[int, float]) -> dict:
-    """For each fixed depth d: a greedy decode of each path with the recorded chains cut to d, each
-    step's tokens for one pass of its chain and root (drafts free); its speed-up over one token a
-    pass, and the accepted tokens a step. The bound is the best d's."""
-    from starsd.emulate.draft_host import Recording
-
-    rec = Recording.load(recording)
-    by_depth = {}
-    for d in range(1, max(costs)):
-        tokens = steps = accepted = 0
-        ms = 0.0
-        for prompt, output in paths:
-            pos = 0
-            while pos < len(output):
-                got = rec.chain(prompt + output[:pos], d)
-                chain = got[0] if got else []
-                a = next((j for j, (x, y) in enumerate(zip(chain, output[pos:])) if x != y),
-                         min(len(chain), len(output) - pos))
-                ms += costs[len(chain) + 1]
-                pos += a + 1
-                steps += 1
-                accepted += a
-            tokens += len(output)
-        by_depth[d] = {"speedup": tokens / ms * costs[1], "accepted_per_step": accepted / steps}
-    best = max(by_depth, key=lambda d: by_depth[d]["speedup"])
-    return {"speedup": by_depth[best]["speedup"], "depth": best, "by_depth": by_depth, "pass_ms": costs}
-
-
 def main(args) -> int:
     from starsd.models.llamacpp import gguf_file
     from starsd.models.loading import load_tokenizer
+    from starsd.spec_decode.audit import in_words
     from starsd.star.launch import start_server
 
     pair = C.from_args(C.PairConfig, args)
@@ -369,17 +303,9 @@ def main(args) -> int:
         rows.append([m, f"{p['tokens_per_s']:.2f}", f"{vs:.2f}x" if vs else "",
                      f"{p['mean_accepted']:.2f}" if "mean_accepted" in p else "",
                      f"{p['equal_share']:.0%}" if "equal_share" in p else ""])
-    facts["divergences"] = "; ".join(audited(d) for d in divergences) or "none"
+    facts["divergences"] = "; ".join(in_words(d) for d in divergences) or "none"
     summary(f"bench llamacpp: {len(prompts)} {args.prompts} prompts from #{args.offset}, {args.max_new_tokens} tokens, "
             f"greedy, {cpu_kind()}; decoding tokens/s after the prefill",
             ["mode", "tokens/s", "vs alone on the same cores", "accepted a drafted step", "greedy output equal"], rows,
             facts=facts, files={"JSON": args.json_out, "plot": png})
     return 0 if all(d["ok"] for d in divergences) else 1
-
-
-def audited(found: dict) -> str:
-    """One output's audit in words: where it parts from one-token decoding, each margin against the
-    allowance."""
-    parts = ", ".join(f"at {d['position']} margin {d['margin']}" for d in found["parts"])
-    verdict = "near-ties" if found["ok"] else "NOT LOSSLESS"
-    return f"{found['mode']} {found['prompt']}: {parts or 'ends early'} (allowance {found['allowance']}, {verdict})"

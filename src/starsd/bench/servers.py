@@ -36,7 +36,7 @@ import time
 import torch
 
 from starsd import config as C
-from starsd.bench import harness, metrics, scale
+from starsd.bench import harness, metrics, profiles
 from starsd.models.drafter import Drafter
 from starsd.models.loading import load_model
 from starsd.results import Steps, bar_plot, summary, write_json
@@ -124,7 +124,7 @@ def takeover(rows: list[dict], killed: str, killed_at: float) -> dict:
 def calibrate(args, inputs: harness.Inputs, runner: harness.Runner, steps: Steps) -> sysmodel.Profile:
     """The simulator's profile from runs apart from the N-target ones: the service sweep and the
     acceptance in this process pinned to core 0 at one thread, then one target against one server
-    on core 0 (scale.calibrated_profile)."""
+    on core 0 (profiles.calibrated_profile)."""
     steps.begin("calibrating the simulator: service sweep and acceptance on core 0")
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {0})
@@ -145,12 +145,12 @@ def calibrate(args, inputs: harness.Inputs, runner: harness.Runner, steps: Steps
     try:
         before = harness.server_stats(star.address)
         point, its = runner.point(star.address, 1)
-        point = {"mode": "batched", **point, "server_work": scale.work_figures(before, harness.server_stats(star.address))}
+        point = {"mode": "batched", **point, "server_work": profiles.work_figures(before, harness.server_stats(star.address))}
     finally:
         star.close()
     target_only = {"per_target_tokens_per_s": 1e3 / inputs.latency.mean(1)}  # a replay target decoding alone
-    in_sample = scale.build_profile([point], its, target_only, args.max_batch, modes=("batched",))
-    profile = scale.calibrated_profile([point], {b: v["service_ms"] for b, v in sweep.items()}, in_sample, tokens,
+    in_sample = profiles.build_profile([point], its, target_only, args.max_batch, modes=("batched",))
+    profile = profiles.calibrated_profile([point], {b: v["service_ms"] for b, v in sweep.items()}, in_sample, tokens,
                                        harness.reset_cost(sweep))
     steps.end(f"S(1) {profile.service(1):.0f} ms, R {profile.return_ms:.0f} ms, tau {profile.tokens_per_iteration:.2f}")
     return profile

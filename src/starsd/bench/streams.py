@@ -27,7 +27,6 @@ from pathlib import Path
 import httpx2 as httpx
 
 from starsd import config as C
-from starsd.bench.llamacpp import audited
 from starsd.prompts import load as load_prompts
 from starsd.results import Steps, bar_panels, cpu_kind, summary, write_json
 from starsd.star.processes import free_port, read_json_line, spawn
@@ -114,7 +113,7 @@ def serve_round(pair: C.PairConfig, streams: int, prompts: list[str], max_tokens
 def main(args) -> int:
     from starsd.models.llamacpp import LlamaCppTarget, gguf_file
     from starsd.models.loading import load_tokenizer
-    from starsd.spec_decode.audit import audit, following
+    from starsd.spec_decode.audit import audit, following, in_words
     from starsd.spec_decode.decode import target_only
     from starsd.star.launch import check_models
 
@@ -184,7 +183,7 @@ def main(args) -> int:
               f"{equal[m]:.0%}"] for m in modes],
             facts={"engine pass costs (ms), streams x tokens": ", ".join(f"{k}: {v}" for k, v in costs.items()),
                    "bound": f"{bound:.2f} tok/s ({args.streams} tokens per pass of {costs[f'{args.streams} x 1']} ms)",
-                   "divergences": "; ".join(audited(d) for d in divergences) or "none"},
+                   "divergences": "; ".join(in_words(d) for d in divergences) or "none"},
             files={"JSON": args.json_out, "plot": png, "log of the stars": log_path})
     return 0 if all(d["ok"] for d in divergences) else 1
 

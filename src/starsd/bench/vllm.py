@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 from starsd import config as C
-from starsd.bench.llamacpp import audited
 from starsd.bench.vllm_runs import run_engine, taskset, vllm_python
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, cpu_kind, summary, write_json
@@ -168,7 +167,7 @@ class Bench:
 
 
 def main(args) -> int:
-    from starsd.bench.llamacpp import bound, record_drafts
+    from starsd.bench.recorded import bound, record_drafts
     from starsd.star.launch import start_server
 
     pair = C.from_args(C.PairConfig, args)
@@ -308,6 +307,8 @@ def hetero(bench: Bench, address: str, alone: dict) -> dict:
     """One draft server, a vLLM instance and a llama.cpp target drafting on it at once, both asking for
     4 tokens every step (their adaptive policies, on 2 shared cores, ask for few); then the llama.cpp
     target alone. Each engine's greedy output against its own decoding alone."""
+    from starsd.spec_decode.audit import in_words
+
     llama = llama_target(bench.args, address)
     vllm: list[dict] = []
     engine = threading.Thread(target=lambda: vllm.extend(bench.star(0.0, address, adaptive=False)))
@@ -335,7 +336,7 @@ def hetero(bench: Bench, address: str, alone: dict) -> dict:
                          "alone_tokens_per_s": [r["tokens_per_s"] for r in plain]},
             "summary": f"vLLM {sum(same_vllm)}/{len(same_vllm)} equal to vLLM alone, llama.cpp "
                        f"{sum(same_llama)}/{len(same_llama)} equal to llama.cpp alone"
-                       + "".join(f"; {audited(d)}" for d in divergences)}
+                       + "".join(f"; {in_words(d)}" for d in divergences)}
 
 
 def parts_at(got: list[int], want: list[int]) -> int | None:

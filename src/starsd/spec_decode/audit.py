@@ -104,3 +104,11 @@ def following(text: str, decode: Callable[[list[int]], str], width: int = 8) -> 
                 return token
         return None
     return choose
+
+
+def in_words(found: dict) -> str:
+    """An audit in words, labelled with its "mode" and "prompt": where the output parts from one-token
+    decoding, each margin, and the allowance."""
+    parts = ", ".join(f"at {d['position']} margin {d['margin']}" for d in found["parts"])
+    verdict = "near-ties" if found["ok"] else "NOT LOSSLESS"
+    return f"{found['mode']} {found['prompt']}: {parts or 'ends early'} (allowance {found['allowance']}, {verdict})"
