@@ -1,23 +1,18 @@
 """The depth policy replayed over drafts recorded once: every policy, fixed depth and chain stopping
 rule on the same drafts and the same costs, without a real run's noise.
 
-Greedy decoding is deterministic, so what any step can get is fixed by where it starts: at each
-position of the target's greedy answer, the draft's chain drafted `depth` deep has a path
-probability at each level (the product of the draft's probabilities of its tokens) and its first
-`accepted` tokens are the target's next ones. A chain stops below `min_path_prob`: the level whose
-path probability falls below it is the last drafted. So a draft asked d deep has, at any threshold,
-a known number of levels, and min(that, accepted) tokens accepted. Recorded once with the real pair
-(`record`), with what its passes cost on this host (a verify pass by width, as a target process
-measures them before its first stream; a drafted level, the drafter's own figure; the first
-draft's ingest of the prompt; the prefill), a stream can be replayed at any fixed depth or under a
-DepthPolicy (`replay`): the same calls the decoding loop makes (spec_decode/decode.py, a drafter in this
-process), every cost drawn about its measured value (log-normal, 5%), the tokens/s summed over
-prompts. A co-located real run of 6 prompts varies by about 5% between runs of the same depths; a
-replay, not at all for one seed.
-
-It measures the policy, not the engine: a real run's costs vary by step (page faults, another
-process) and the catch-up of tokens decoded alone is not charged. `bench depth` and `bench
-colocated` measure the real thing.
+Greedy decoding is deterministic, so what any step can get is fixed by where it starts. `record`
+runs the real pair once along the target's greedy answer and keeps, at each position, the chain
+drafted `depth` deep with each level's path probability (the product of the draft's probabilities
+of its tokens) and how many of its tokens are the target's next ones (`accepted`); and what the
+passes cost on this host (a verify pass by width, a drafted level, the first draft's ingest of the
+prompt, the prefill). A chain stops below `min_path_prob`, so a draft asked d deep has, at any
+threshold, a known number of levels, and min(that, accepted) tokens accepted. `replay` drives a
+fixed depth or a DepthPolicy with the calls the decoding loop makes (spec_decode/decode.py, a
+drafter in this process), each cost drawn about its measured value (log-normal, 5%), tokens/s
+summed over prompts. It measures the policy, not the engine (a real run's costs vary by step, and
+the catch-up of tokens decoded alone is not charged): `bench depth` and `bench colocated` measure
+the real thing. Figures and what was tried: docs/scheduler.md#replayed-over-recorded-drafts.
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
-"""The latency the gateway adds: one target server asked directly, and the same one through the gateway.
+"""The latency the gateway adds: one target server asked directly, and the same one through it.
 
-One `starsd serve --targets 1` runs as a person runs it; this process then asks its target server two
-ways, turn about in every round, so that drift hits both alike:
-- direct: the project's own client of the target-server protocol (serve/pool.py's Pool, as the
-  gateway uses it) in an asyncio loop here; no HTTP.
-- httpx: HTTP to the gateway on one kept-alive connection (one httpx Client for every request).
-- openai: the official openai client (its own kept-alive connection), for the streamed request.
-Each gateway request follows an untimed GET /health on its client, so that it goes on a connection
-just used, however long the requests between (uvicorn closes one idle for 5 s); the run counts the
-measured requests that went on a new connection all the same (`fresh`: 0 expected).
-
-Every request asks for no drafts (`"speculate": false`, the gateway's extension; Generate.speculate
-directly): both paths then do the same work, one target pass a step, whatever drafts would do to
-the step time. Decoding is greedy, and the prompt is the same each time.
-
-Terms (ms; median p50 and p90 over every request of the rounds):
-- whole: a request for one token (max_tokens=1), from its send until its reply is in (directly:
-  its last Output).
-- TTFT: a streamed request of --max-tokens tokens (ignore_eos), from its send to its first SSE chunk
-  (the gateway sends one at the first target step); directly, to its first Output.
-- step gap: the time between two Outputs of a stream, directly: one target step.
-- chunk gap: the time between two SSE chunks of a stream through the gateway: one target step and
-  its relay (a step whose text is held back sends no chunk; the median does not see the rare one).
-- health: GET /health kept alive, which touches no target: the gateway's bare floor.
-- overhead: a gateway path's median less the direct one's; ratio: the same as a quotient; paired
-  overhead (whole and TTFT): the median of gateway less direct over the requests sent one after
-  the other.
-Goals: a kept-alive whole request's overhead (httpx) at most OVERHEAD_GOAL_MS; the chunk gap within
-GAP_GOAL of the step gap, through either client. A target step's own time varies by a few ms from
-one to the next: the whole requests are many (--whole a round), so their medians hold still.
+One `starsd serve --targets 1` runs as a person runs it; this process asks its target server each
+way, turn about in every round, so that drift hits all alike: `direct` (serve/pool.py's Pool, the
+gateway's own client of the target-server protocol, no HTTP), `httpx` (HTTP to the gateway on one
+kept-alive connection) and `openai` (the official client, streamed requests only). Every request
+asks for no drafts (`"speculate": false`), so each path does one target pass a step; greedy.
+Terms (ms; p50 and p90 over every request of the rounds):
+- whole: a one-token request (max_tokens=1), from its send until its reply is in;
+- TTFT: a streamed request of --max-tokens tokens, to its first SSE chunk (directly: first Output);
+- step gap: between two Outputs (one target step); chunk gap: between two SSE chunks (a step and
+  its relay); health: GET /health kept alive, which touches no target;
+- overhead: a gateway path's median less the direct one's; ratio: the same as a quotient; paired:
+  the median difference over requests sent one after the other.
+Goals: a whole request's overhead (httpx) at most OVERHEAD_GOAL_MS; the chunk gap within GAP_GOAL
+of the step gap. Method and figures: docs/serving.md#the-gateways-latency.
 """
 
 from __future__ import annotations

@@ -2,23 +2,18 @@
 
 The claim: a draft model paired with one target idles while the target verifies, then bursts; one
 shared by N targets drafts continuously, so a drafted token costs less of the draft's time and the
-targets' per-token latency varies less. One real draft server serves N replay targets (each a
-remote target on a host of its own, emulated from the real target's recorded answers and verify
-latencies: on two cores N real targets cannot each have their own); N = 1 is the pair alone. Each
-mode runs every N side by side in one run:
-- fixed: every step drafts --draft-depth deep and waits for it, no pre-drafting (the paper's setting);
-- defaults: each step's depth chosen by the target (spec_decode/depth.py), the server pre-drafting in its
-  idle gaps, as both run by default.
-Per point, over the window:
-- draft ms per drafted token: the server's busy time over the tokens it drafted for the steps that
-  ended in the window (a batch of b chains d deep costs S(b) for b * d tokens); busy counts its
-  pre-drafts too (their compute makes some of the tokens drafted, answered at once on a hit);
-- the server's idle gaps: the spans with neither a batch nor a pre-draft running (p50, p99, the
-  longest) and its utilisation (the same busy time over the window);
-- a target's step gap: the time between two of its deliveries of tokens (one step), p50, p99, std;
-- per-token latency: a step of T ms that commits a tokens gives each T / a (metrics.py): p50, p99,
-  variance and coefficient of variation.
-The checks say, for each mode, whether the largest N beats N = 1 on each of the two claims.
+targets' per-token latency varies less. One real draft server serves N replay targets (remote
+targets emulated from the real target's recorded answers and verify latencies); N = 1 is the pair
+alone. Each mode runs every N in one run:
+- fixed: every step drafts --draft-depth deep and waits for it, no pre-drafting (the paper's);
+- defaults: the target's depth policy (spec_decode/depth.py) and the server's pre-drafting.
+Per point, over the window: draft ms per drafted token (the server's busy time, pre-drafts
+included, over the tokens drafted for the steps that ended in the window); the server's idle gaps
+(spans with neither a batch nor a pre-draft running: p50, p99, longest) and utilisation; a
+target's step gap (between two deliveries of tokens: p50, p99, std); per-token latency (a step of
+T ms committing a tokens gives each T / a, metrics.py: p50, p99, variance, CV). The checks say, for
+each mode, whether the largest N beats N = 1 on each claim.
+Figures: docs/scaling.md#the-papers-latency-claim-one-pair-alone-against-a-star-of-n.
 """
 
 from __future__ import annotations

@@ -1,39 +1,20 @@
 """A llama.cpp target, as a person who runs llama.cpp would meet StarSD: against llama.cpp decoding
-alone, and against llama.cpp's own draft-model speculation, side by side in one run.
+alone and against llama.cpp's own draft-model speculation, side by side in one run.
 
-Modes, each per prompt, in an order rotated per prompt (drift in the machine's speed hits all alike):
-- `alone`: the llama.cpp target decoding one token a pass (what llama.cpp's generation does), on
-  both cores;
-- `colocated`: StarSD with the draft model in the target's process, its defaults (the adaptive
-  depth policy, one for the process, as a target process keeps it over its streams), both cores
-  shared by the two;
-- `alone-1core` and `star-1core`: two one-core hosts emulated with CPU affinity: the target on core 0
-  with one thread, alone, and with drafts from a draft-server process (its defaults, one thread)
-  pinned to core 1, over loopback, as from a machine of its own;
-- `star-remote`: the target on both cores, as on a host of its own, with drafts from a draft host
-  of its own, emulated (emulate/draft_host.py): a draft server answering from a recording of the real
-  draft model's drafts for these prompts, each after the real server's service time measured while
-  recording on both cores, the target idle;
-- `emulated-1core`: the emulation checked against the real thing: `star-1core` again, its draft
-  server on core 1 answering from a recording timed on core 1 (one thread);
-- `llama-speculative` (with --llama-speculative): llama.cpp's own `llama-speculative-simple`, built
-  from the same llama.cpp as the engine, with the 0.5B draft's GGUF, on both cores.
-
-The recordings are made before the measured runs, below each prompt's target-only greedy output (on
-both cores). From the recording and the engine's cost of scoring k tokens (measured in the same run)
-comes the bound `star-remote` is judged by: over fixed depths d, a greedy decode of each prompt with
-the recorded chains cut to d, each step's tokens (accepted + 1) for one pass of its chain and root,
-drafts free: the most speed-up over one token a pass that this engine and this draft allow.
-
-Each StarSD mode's greedy output is compared with its engine's target-only output on the same cores:
-the share of prompts equal; an output that differs is audited token by token against the engine's
-one-token passes (spec_decode/audit.py: the engine's batched and single-token kernels round differently,
-so every divergence must be at a near-tie within the allowance measured on those tokens). Tokens/s are the decoding's, after the prompt's prefill (which costs every mode alike);
-llama-speculative-simple reports its own decoding speed, after its prompt. (The figures in
-docs/benchmarks.md were counted after each prompt's first step, as their text says: a mode whose
-first step drafted and ingested the prompt had that step left out, the default co-located a cheap
-one, decoded alone.) Each runner first
-decodes one prompt (the set's first) unmeasured, in each of its modes.
+Modes, each per prompt, in an order rotated per prompt (drift in the machine's speed hits all):
+- `alone`: the target decoding one token a pass, on both cores;
+- `colocated`: StarSD with the draft model in the target's process, its defaults, both cores;
+- `alone-1core`, `star-1core`: two one-core hosts by CPU affinity: the target on core 0 alone, and
+  with drafts from a draft-server process pinned to core 1, over loopback;
+- `star-remote`: the target on both cores, drafts from a draft host of its own, emulated
+  (emulate/draft_host.py); `emulated-1core`: `star-1core` with that emulation, to check it;
+- `llama-speculative` (with --llama-speculative): llama.cpp's own `llama-speculative-simple`.
+The bound `star-remote` is judged by: over fixed depths d, a greedy decode of each prompt with the
+recorded chains cut to d, drafts free, at the engine's cost of scoring k tokens (measured here).
+Each StarSD mode's greedy output is compared with the engine's target-only output on the same
+cores, and every divergence audited (spec_decode/audit.py). Tokens/s are the decoding's, after the
+prompt's prefill; each runner first decodes the set's first prompt unmeasured, in each mode.
+Method, figures and how earlier runs were counted: docs/benchmarks.md#a-llamacpp-target.
 """
 
 from __future__ import annotations

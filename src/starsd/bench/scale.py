@@ -1,33 +1,20 @@
 """Scaling benchmark: the star against N, side by side with its baselines, in one run.
 
-Targets are replay targets (replay.py): remote target machines emulated with the real target's
-recorded greedy continuations and its verify latency, so N of them cost this machine nothing; the
-draft server is real. Modes, each measured over the same window after a warm-up:
-- target-only: a target decoding alone, no speculation. Targets on separate machines do not
-  interact, so it is measured at N = 1 and the system figure is N times it.
-- single-pair: each target with a draft server of its own (draft-then-verify). Measured as the
-  batched server's N = 1 point (one target, one server) and multiplied the same way.
-- serial: one draft server for N targets, drafting one request at a time (the reference behaviour).
-- batched: one draft server for N targets, the work-conserving batched loop.
-These four draft at the fixed depth --draft-depth without pre-drafting (the analytical model's
-subject). Beside them:
-- adaptive: the batched server, with each target choosing its depth step by step (spec_decode/depth.py),
-  at most --draft-depth, 0 when decoding alone pays more;
-- predraft: the batched server at the fixed depth, pre-drafting in its idle time (star/ahead.py);
-- star: both, as a draft server and its targets run by default;
-- eagle (with --eagle): the batched server at the fixed depth drafting with an EAGLE head from the
-  replay targets' recorded target features; its own profile (S(b) from its points, R and tau from
-  its N = 1 point) gives its predicted N_full, beside the draft model's, and its service sweep runs
-  beside the draft model's;
-- batched-dD: the batched server at another fixed depth D, for each D in --fixed-depths. With
-  batched they give the best fixed depth at each N, the baseline adaptive depth must match or beat
-  (any fixed schedule of depth by N, as serving engines use, is at most that envelope).
-The analytical model (sysmodel.py) and the simulator (simulate.py) get the profile the model is
-defined on: S(b), the draft server's own mean batch time by batch size over every server point,
-and R and tau from the single-pair point. A service sweep of the draft model in this process,
-without the targets beside it, is reported next to it (`service_sweep_ms`). Writes JSON (points,
-profile, checks) and three plots: throughput vs N with the prediction, utilisation over time,
-per-token latency CDF; `--reanalyse JSON` redoes predictions, checks and plots from a result.
+Targets are replay targets (replay.py: remote target machines emulated from the real target's
+recorded greedy continuations and verify latency, costing this machine nothing); the draft server
+is real. Modes, each measured over the same window after a warm-up, at the fixed depth
+--draft-depth without pre-drafting (the analytical model's subject) unless said otherwise:
+- target-only, single-pair (each target with a draft server of its own): measured at N = 1, the
+  system figure N times it (targets on separate machines do not interact);
+- serial, batched: one draft server for N targets, one request at a time or the batched loop;
+- adaptive: batched, each target choosing its depth step by step (spec_decode/depth.py);
+- predraft: batched, pre-drafting in its idle time (star/ahead.py); star: both (the defaults);
+- eagle (--eagle): batched, drafting with an EAGLE head from the recorded target features;
+- batched-dD: batched at another fixed depth D (--fixed-depths): the best fixed depth at each N.
+The analytical model (sysmodel.py) and the simulator (simulate.py) get its profile: S(b), the
+server's mean batch time by batch size over every server point, and R and tau from the
+single-pair point. Writes JSON (points, profile, checks) and plots; `--reanalyse JSON` redoes
+predictions, checks and plots from a result. Modes in full: docs/scaling.md#what-bench-scale-runs.
 """
 
 from __future__ import annotations

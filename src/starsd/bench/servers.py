@@ -1,28 +1,20 @@
 """Several draft servers: two against one, past what one can serve, and one of the two killed.
 
-Replay targets (remote targets emulated: replay.py) decode against real draft servers, each pinned
-to a core of its own (taskset), so that one draft host is one core of this machine and the
-one-server baseline has one core too. Side by side in one run, over the same window:
-- one server (core 0), N targets;
-- two servers (cores 0 and 1), the same N targets: target i opens its session at server i mod 2
+Replay targets (replay.py) decode against real draft servers, each pinned to a core of its own
+(taskset), so one draft host is one core and the one-server baseline has one core too. Side by
+side in one run, over the same window:
+- one server (core 0), N targets (8 by default);
+- two servers (cores 0 and 1), the same N: target i opens its session at server i mod 2
   (client.for_target), and moves to the other when its server dies or has no room;
-- the same two, server 1 killed (SIGKILL) --kill-at-s into the window: its targets' sessions move
-  to server 0, each with a reset of its whole accepted prefix.
-Reported: system tokens/s of each and the ratio of two servers to one; for the kill, whether every
-target's output is the recording's (a replay target stops at the first token that differs, so a
-token lost or changed would fail the run), the moves, and each moved target's gap from the kill to
-its first drafted step afterwards. N defaults to 8, at least twice what one server on one core of
-this CPU serves before it saturates (docs/scaling.md). The replay host runs unpinned, at a higher
-priority where this process may give it one (root): its emulated passes sleep, but its
-verification and messages need some of a core, which two busy servers would otherwise not leave.
-
-The simulator's prediction for one and two servers (theory/simulate.py), calibrated apart, as
-`bench scale` calibrates its out-of-sample model: before the three runs, this process measures the
-draft model's S(b) on core 0 at one thread (the service sweep) and the acceptance over the whole
-recording; one server on core 0 then serves one target (its S(1), R and resets), and nothing of the
-N-target runs goes into the profile. The model assumes every step drafts at the depth given: the
-prediction is meant for a fixed depth (--no-draft-adaptive); with the adaptive policy it is
-reported all the same, marked so. --no-model-check skips it.
+- the same two, server 1 killed (SIGKILL) --kill-at-s into the window: its sessions move to
+  server 0, each with a reset of its whole accepted prefix.
+Reported: system tokens/s and two servers' ratio to one; for the kill, whether every output is the
+recording's (a replay target stops at the first token that differs), the moves, and each moved
+target's gap from the kill to its first drafted step after it. The simulator's prediction for one
+and two servers (theory/simulate.py) is calibrated apart, before the runs, on one server and one
+target (the service sweep, the recording's acceptance, then S(1), R and resets); it assumes a
+fixed depth (--no-draft-adaptive) and is marked so otherwise; --no-model-check skips it.
+Figures and the calibration: docs/scaling.md#two-draft-servers-against-one.
 """
 
 from __future__ import annotations

@@ -1,38 +1,19 @@
-"""Soak: real draft servers and many replay targets for a long run, with faults injected along the way.
+"""Soak: real draft servers and many replay targets for a long run, with faults injected on the way.
 
-N replay targets (replay.py: the real target's recorded greedy continuations and its verify
-latency) run in --hosts processes (`starsd replay-targets`), each decoding the recorded prompts in
-a loop against --draft-servers `starsd draft-server` processes (every target lists them all:
-star/placement.py) for --duration-s. After --warmup-s, faults come one at a time, evenly spaced up
-to --recover-s before the end; each is checked, within --recover-s, before the next, so a slow
-check delays the faults after it (one that would come too late to be checked is not injected, and
-the run fails):
-
-  server_kill  a draft server (each in turn) is killed (SIGKILL) and a new one started at the same
-               address. Survived, with one server: every live target opens a session on the new
-               server (its heartbeat hears the server again and its RemoteDrafter reconnects;
-               meanwhile it decodes alone). With several: the killed server's targets move their
-               sessions to the others (`takeover_s`: until every live target holds one again),
-               and once it is back the sessions spread out again, no server holding two more
-               than another (`rebalanced_s`).
-  target_kill  a replay host process is killed (SIGKILL): its targets never say goodbye. A new host
-               is started in its place once they are gone. Survived: the server held every target's
-               session before the kill, and frees the dead ones (silent for --session-timeout-s).
-  bad_message  one round of malformed and foreign messages (`script`) from raw ZeroMQ DEALER sockets:
-               garbage frames, wrong message types, another connection's session tag, out-of-order
-               steps. Survived: each gets an Error reply, and the session they aimed at drafts on.
-  slow_target  one replay target stalls for --stall-s between two steps, longer than the session
-               timeout (only its heartbeat speaks for it). Survived: it decodes on afterwards, and
-               its session was not lost (the server did not free it; with several servers it may
-               have moved meanwhile to even them out: `session_kept` says whether it stayed).
-
-What the targets produced is checked against the recording (`tally`): a replay target's greedy
-output must equal the real target's greedy continuation. A run passes when every fault asked for
-was injected and survived, no output differs, no token is lost, no target failed, the servers are
-up at the end and every session was freed. Reported beside: draft requests served (over all the
-servers' lives), bad inputs sent and Error replies received, each server's resident memory (VmRSS)
-at start and end. Writes JSON, a plot (throughput, sessions, RSS over time, faults marked) and a
-summary; exit code 1 when the run did not pass.
+N replay targets (replay.py) run in --hosts processes (`starsd replay-targets`), each decoding the
+recorded prompts in a loop against --draft-servers `starsd draft-server` processes (every target
+lists them all: star/placement.py) for --duration-s. After --warmup-s, faults come one at a time,
+evenly spaced, each checked within --recover-s before the next (one that would come too late to
+be checked is not injected, and the run fails):
+- server_kill: a draft server killed (SIGKILL) and a new one started at its address;
+- target_kill: a replay host process killed (SIGKILL): its targets never say goodbye;
+- bad_message: a round of malformed and foreign messages from raw ZeroMQ DEALER sockets;
+- slow_target: a replay target stalls --stall-s between two steps, past the session timeout.
+A run passes when every fault asked for was injected and survived, every output equals the
+recording (`tally`), no token is lost, no target failed, the servers are up at the end and every
+session was freed. Writes JSON (with requests served, bad inputs and Error replies, each server's
+VmRSS at start and end), a plot and a summary; exit code 1 when the run did not pass.
+What each fault must survive, and figures: docs/reliability.md#soak.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
-"""vLLM as a person who serves with it would meet StarSD: vLLM decoding alone, vLLM's own draft-model
-speculation, and vLLM with StarSD's drafts (starsd.vllm.Proposer), side by side in one run, each a
-fresh vLLM engine (bench/vllm_engine.py, in the vLLM environment) on the same prompts.
+"""vLLM as a person who serves with it would meet StarSD: vLLM decoding alone, vLLM's own
+draft-model speculation, and vLLM with StarSD's drafts (starsd.vllm.Proposer), side by side in one
+run, each a fresh vLLM engine (bench/vllm_engine.py, in the vLLM environment) on the same prompts.
 
-Modes:
-- `alone`: vLLM target-only;
-- `vllm-draft-K`: vLLM's own speculation with the 0.5B draft in its process, K tokens a step;
-- `star-cohosted`: StarSD's drafts from a real draft server on the same cores, the plug-in told to draft
-  there (STARSD_COHOSTED_DRAFTS: by default it decodes alone beside such a server);
-- `star-real`: from a real draft server on cores of its own (`--draft-cores`; vLLM on `--vllm-cores`,
-  in every mode); `star-real-x2`: two vLLM instances sharing it;
-- `star-remote`: from a draft host of its own, emulated (emulate/draft_host.py: a draft server answering
-  from a recording of the real draft model's drafts below each prompt's target-only greedy output, each
-  after the real drafter's measured time on both cores, the target idle); greedy only (a sampled
-  stream leaves the recorded outputs);
-- `star-remote-x2` and `vllm-draft-4-x2`: two vLLM instances at once, sharing that draft host, or each
-  with its own co-located draft; `-nopredraft`: the same draft host with pre-drafting off (a server's
-  default is on; on loopback it would take vLLM for a target on its cores, and the emulated host is
-  told otherwise);
-- `no-server`: the plug-in with no draft server answering at its address: every step decodes alone;
-- `hetero`: one real draft server serving, at once, a vLLM instance (the plug-in) and a llama.cpp
-  target (`starsd target`, one thread), greedy; each checked against its own engine decoding alone.
-
-Each mode's greedy output is compared with `alone`'s. The bound for `star-remote`: from the recording
-and vLLM's cost of a pass of k tokens (measured here: `alone` is one token a pass, `oracle-K` a perfect
-draft of K tokens a pass, its tokens from `alone`'s output), a greedy decode of each prompt with the
-recorded chains cut to a fixed depth, drafts free: the most that these drafts allow on this engine.
+Modes: `alone`; `vllm-draft-K` (vLLM's own speculation, the 0.5B draft in its process, K tokens a
+step); `star-cohosted` (a real draft server on the same cores, the plug-in told to draft there);
+`star-real` (a real draft server on `--draft-cores`, vLLM on `--vllm-cores`); `star-remote` (a
+draft host of its own, emulated: emulate/draft_host.py; greedy only); `-x2`: two vLLM instances
+at once; `-nopredraft`: the emulated host not pre-drafting; `no-server` (nothing answers the
+plug-in: every step decodes alone); `oracle-K` (perfect drafts of K tokens, for the bound);
+`hetero` (one real draft server serving a vLLM instance and a llama.cpp target at once).
+Each mode's greedy output is compared with `alone`'s. The bound for `star-remote`: a greedy decode
+of each prompt with the recorded chains cut to a fixed depth, drafts free, at vLLM's cost of a
+pass of k tokens (`alone`, `oracle-K`): the most that these drafts allow on this engine.
+Each mode in full, and figures: docs/vllm.md#bench-vllm.
 """
 
 from __future__ import annotations
