@@ -1,31 +1,20 @@
-"""An emulated draft host: a draft server whose drafts come from a recording of the real draft model,
-each after the real server's measured service time, on a machine whose cores the target needs.
+"""An emulated draft host: a draft server answering from a recording of the real draft model.
 
-The target of `bench llamacpp` runs on both of this machine's cores, as on a host of its own; a real
-draft server beside it would take them. So the draft host is emulated the way replay targets
-emulate target hosts (emulate/replay.py), on the other side of the star:
-
-- `record` drafts, with the real drafter, from every prefix of each prompt's target-only greedy output:
-  the chain a request at that point gets (the server's chain rule, DraftConfig's depth and
-  min_path_prob) and each level's runner-up (pre-drafting uses them, star/ahead.py), and times every
-  draft. A greedy target's accepted tokens are always a prefix of its target-only output (lossless),
-  so every request a star of this target makes starts at a recorded prefix, whatever depth its policy
-  asks for (a shallower chain is a prefix of the recorded one: the chain rule stops at a level, never
-  skips one).
-- `RecordedDrafter` answers a draft from the recording and sleeps what the real drafter took, by a
-  cost fitted to the recorded timings (`Cost`: a fixed part, a part per ingested token, a part per
-  drafted level). It yields between levels to a request, as the real drafter does. A context not
-  on the recording (a pre-draft of an outcome that did not happen, or a stream that left its
-  target-only output at a near-tie) gets an empty draft after the cost of the levels it asked for,
-  and is counted (`misses`).
-- `starsd draft-server --recording FILE` serves it: the real server (protocol, sessions, batching,
-  pre-drafting, transport) around the recorded drafter.
-
-A batch of several streams is charged a level at the real drafter's cost for that batch size,
-measured when recording (`batch_scale`: with the 0.5B draft on an AMX Xeon's 2 cores, a level of 2,
-3 and 4 streams cost 1.05, 1.19 and 1.29 times one stream's); its ingest as the streams' tokens
-together. The emulation's error: everything the server does besides drafting runs for real, on the
-target's cores.
+Each draft comes after the real server's measured service time, so that a target keeps every core
+of this machine, as on a host of its own (as replay targets emulate target hosts: replay.py).
+- `record` drafts, with the real drafter, from every prefix of each prompt's target-only greedy
+  output: the chain a request there gets (the server's chain rule, DraftConfig's depth and
+  min_path_prob), each level's runner-up (for pre-drafting) and every draft's time. A greedy
+  target only ever asks there (lossless), and a shallower chain is a prefix of the recorded one.
+- `RecordedDrafter` answers from the recording and sleeps what the real drafter took, by a cost
+  fitted to the recorded timings (`Cost`: a fixed part, per ingested token, per drafted level),
+  yielding between levels to a request as the real drafter does. A context not on the recording
+  (a missed pre-draft, a stream parted at a near-tie) gets an empty draft after the cost of its
+  levels (`misses`). A batch is charged a level at the real drafter's cost for that batch size,
+  measured when recording (`batch_scale`), and its ingest as its streams' tokens together.
+- `starsd draft-server --recording FILE`: the real server (protocol, sessions, batching,
+  pre-drafting, transport) around the recorded drafter, running for real on the target's cores.
+Figures: docs/benchmarks.md#a-draft-host-of-its-own-emulated.
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """The drafter backend: a small LM that proposes chains or top-k token trees, for one sequence or
-for many sequences at once (the draft server batches every pending session into one pass per level).
+for many at once (the draft server batches every pending session into one pass per level).
 
-A DraftSequence's KV holds the keys and values of its *committed* tokens (those its target has
-accepted) in columns [0, cached) and, after a draft, those of the draft nodes that were fed to the
-model, after them. A draft request brings the tokens committed since the last one: the accepted
-path of the last draft and the recovered or bonus token. Accepted nodes whose keys and values were
-computed while drafting are moved into place instead of being computed again; the rest is ingested.
-Rejected nodes are overwritten by the next pass: that is how a draft is rolled back.
-
+A DraftSequence's KV holds its *committed* tokens (those its target has accepted) in columns
+[0, cached) and, after a draft, the draft nodes fed to the model after them. A draft request brings
+the tokens committed since the last one: the last draft's accepted path and the recovered or bonus
+token. Accepted nodes already computed while drafting are moved into place, the rest ingested;
+rejected nodes are overwritten by the next pass (that is the rollback).
 Batching sequences of different lengths: each sequence's committed columns are copied side by side
-into one batch KV (one copy per batch), right-padded to the longest; every query carries its own
-attention mask over the batch's columns and its own rotary positions, so each sequence sees exactly
-its own context. Each level is one forward pass over the rows still growing and one LM-head call
-over all their new nodes. A finished row's new columns are copied back to its sequence's KV; once
-half the rows are finished the batch drops them. A batch of one works in its sequence's own KV.
-
-The model is a small LM, or an EAGLE head (models/eagle.py) that drafts from the target's features.
-With a head, each committed token comes with the target's feature of the position before it
-(`DraftJob.features`, waiting in `DraftSequence.features` until ingested), a sequence holds its
-stream from the second token on, and accepted nodes are ingested again (their keys and values
-were computed from the head's own predicted features, not the target's); inside a tree a node's
-feature is its parent's output.
+into one batch KV, right-padded to the longest; each query has its own attention mask over the
+batch's columns and its own rotary positions. Each level is one forward pass over the rows still
+growing and one LM-head call over their new nodes; a finished row's new columns go back to its
+sequence's KV, and once half the rows are finished the batch drops them. A batch of one works in
+its sequence's own KV. With an EAGLE head (models/eagle.py) each committed token comes with the
+target's feature of the position before it (`DraftJob.features`, kept in `DraftSequence.features`
+until ingested), a sequence holds its stream from the second token on, and accepted nodes are
+ingested again (their keys and values came from the head's own predicted features).
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
-"""EAGLE heads: a draft that reads the target's features instead of keeping its own copy of the text.
+"""EAGLE heads: drafts that read the target's features instead of keeping a copy of the text.
 
-A head is one decoder layer of the target's architecture. It takes the embedding of a token with
-a *feature* of the position before it, and predicts the feature of the token's own position; an
-LM head turns a feature into next-token logits. Two layouts, as published:
-
+A head is one decoder layer of the target's architecture. It takes the embedding of a token with a
+*feature* of the position before it and predicts the feature of the token's own position; an LM
+head turns a feature into next-token logits. The two published layouts:
 - EAGLE-1 (`fc.*`, `layers.0.*`): the feature is the target's last hidden state, after its final
-  norm. x = fc([embed(t); f]) goes through the layer (whose input norm is dropped); the output is
-  the next feature, and the target's own LM head reads it as it is.
-- EAGLE-3 (`fc.*`, `midlayer.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`): the target's feature is
-  the outputs of three of its layers (low, middle, high) side by side, fused by fc (3H -> H);
-  the layer's attention reads [input_layernorm(embed(t)); hidden_norm(f)] (2H wide); logits come
-  from lm_head(norm(out)) over a reduced draft vocabulary, draft id i being target id i + d2t[i].
-
-Alignment: the head's column i holds token i + 1 of a stream together with the target's feature
-at position i. A stream's first token has no feature before it and is never fed, as in the
-published code. Inside a draft tree, a node's feature is its parent's output (`lift` is the
-identity for those: only the target's features go through EAGLE-3's fc).
-
-The embedding and the target's LM head belong to the target: a head holds them (`attach`) but
-does not own them, so its state dict is the checkpoint's and nothing more.
+  norm; x = fc([embed(t); f]) goes through the layer (its input norm dropped), whose output is the
+  next feature, read by the target's own LM head as it is.
+- EAGLE-3 (`fc.*`, `midlayer.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`): the feature is the outputs
+  of three of the target's layers (low, middle, high) side by side, fused by fc (3H -> H); the
+  layer's attention reads [input_layernorm(embed(t)); hidden_norm(f)] (2H wide); logits come from
+  lm_head(norm(out)) over a reduced draft vocabulary, draft id i being target id i + d2t[i].
+Alignment: column i holds token i + 1 of a stream with the target's feature at position i; a
+stream's first token is never fed. In a draft tree a node's feature is its parent's output (`lift`
+is the identity for those: only the target's features go through EAGLE-3's fc). The embedding and
+the target's LM head belong to the target: a head holds them (`attach`) but does not own them, so
+its state dict is the checkpoint's and nothing more.
 """
 
 from __future__ import annotations

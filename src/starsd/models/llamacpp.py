@@ -1,27 +1,19 @@
-"""A target on llama.cpp (through llama-cpp-python's low-level API): the GGUF file the pair comes
-from, run as llama.cpp runs it, behind the interface of models/target.py.
+"""A target on llama.cpp (llama-cpp-python's low-level API): the GGUF file the pair comes from, run
+as llama.cpp runs it, behind the interface of models/target.py.
 
 One llama.cpp context holds the KV cache of `streams` streams, each in a *slot*: a block of the
-context's sequence ids, the first of which (the slot's base) holds its committed tokens. A draft is
+context's sequence ids, whose first (the slot's *base*) holds its committed tokens. A draft is
 scored in one `llama_decode` of the pending root and its nodes, every position's logits kept. A
-chain lives in the base sequence. A tree lives in as many sequences of the block as it has leaves:
-a node belongs to the sequence of every leaf below it, so it attends to exactly its ancestors
-(llama.cpp lets a token see the cells of its own sequences at earlier positions), and the committed
-prefix is shared by all of them. `commit` then keeps one leaf's sequence below the accepted node,
-cut after the accepted path, and folds it back into the base.
-
-With several slots, the streams' passes go through a Batcher: the passes that several streams ask
-for at about the same time are one `llama_decode` of all their rows (on this CPU 4 streams' single
-tokens cost 109 ms in one pass against 36 ms for one alone), and a new stream's prompt is fed in
-chunks of SHARED_PREFILL_CHUNK tokens, each riding in a pass with the running streams' rows, so
-that they do not stall for a whole prefill. Each slot's stream is driven by a thread of its own
-(star/target_server.py); the context is touched under one lock.
-
-llama.cpp rounds a batch of k tokens differently from k single-token passes (its kernels block the
-work differently), so its greedy output with drafts equals its target-only greedy output except at
-near-ties of its own arithmetic; `starsd bench llamacpp` reports every divergence with its margin.
-EAGLE heads need the target's hidden states, which this engine does not hand out: they need the
-transformers engine.
+chain lives in the base sequence; a tree in as many sequences of the block as it has leaves, a
+node belonging to the sequence of every leaf below it, so it attends to exactly its ancestors and
+the committed prefix is shared. `commit` keeps one leaf's sequence, cut after the accepted path,
+and folds it back into the base. With several slots, the passes streams ask for at about the same
+time go through a Batcher as one `llama_decode`, and a new stream's prompt is fed in chunks of
+SHARED_PREFILL_CHUNK tokens riding in the running streams' passes; each slot's stream is driven by
+a thread of its own (star/target_server.py), the context touched under one lock. A batch of k
+tokens rounds differently from k single-token passes, so greedy output with drafts can part from
+target-only output at near-ties (docs/lossless.md#on-llamacpp). EAGLE heads need hidden states,
+which this engine does not hand out. Figures: docs/benchmarks.md#several-streams-per-target-server.
 """
 
 from __future__ import annotations

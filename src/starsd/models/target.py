@@ -1,30 +1,20 @@
 """The target backend: the model whose distribution the output must follow.
 
 A TargetSequence holds one generation stream. Its KV cache covers every token but the last, the
-*pending* token, which is the root of the next draft tree: one forward pass over
-[pending] + tree nodes scores the whole draft (tree attention), and `commit` keeps only the
-accepted path.
-
-The cache is a KV (models/kv.py): allocated for the prompt and some spare columns, written in place
-by each pass, grown geometrically when a pass needs more room. `commit` moves the accepted path's
-columns down behind the root; a failed pass is cut back. The prompt is prefilled in chunks of
-`prefill_chunk` tokens, each a causal pass (forward.py: the model's own mask, none for the first
-chunk), so that prefill memory grows with the prompt, not with its square: no chunk's mask or
-activations span more than [chunk, prompt].
-
-For an EAGLE drafter, a pass also keeps each of its positions' *features* (models/eagle.py: the
-last hidden state, or the outputs of some layers side by side): `start` and `score` take which
-(`taps`; None for none), and `seq.features` holds those of the last pass.
-
-With several streams (`slots`), the scoring passes that the streams ask for at about the same time
-go through a Batcher (models/batcher.py) and are one forward pass (`score_batch`): each stream's
-cached columns are copied side by side into one batch KV, right-padded to the longest, each row's
-tree attends to its own columns only with its own rotary positions, and each row's new columns go
-back to its stream's cache. On an AVX512-BF16 CPU (2 threads, bf16, the 1.5B target) 4 streams'
-single tokens took 251 ms in one pass against 1032 ms one after another, 4 tokens each 430 against
-1113 ms, the copies included (docs/serving.md). Batched matrix products round
-differently from single rows, so a batched stream's logits equal its alone ones to float rounding,
-not bit for bit. Prompts (prefill) and commits take turns under the same lock, one at a time.
+*pending* token, which is the root of the next draft tree: one forward pass over [pending] + tree
+nodes scores the whole draft (tree attention), and `commit` keeps only the accepted path.
+The cache is a KV (models/kv.py): allocated for the prompt and some spare columns, written in
+place by each pass, grown geometrically when a pass needs more room. `commit` moves the accepted
+path's columns down behind the root; a failed pass is cut back. The prompt is prefilled in causal
+chunks of `prefill_chunk` tokens (forward.py), so prefill memory grows with the prompt, not with
+its square. For an EAGLE drafter a pass also keeps its positions' *features* (models/eagle.py):
+`start` and `score` take which (`taps`; None for none), and `seq.features` holds the last pass's.
+With several streams (`slots`), the passes they ask for at about the same time go through a
+Batcher (models/batcher.py) as one forward pass (`score_batch`): each stream's cached columns
+copied side by side into one batch KV, each row's tree attending to its own columns with its own
+rotary positions, its new columns copied back. Batched logits equal a stream's alone ones to float
+rounding, not bit for bit; prompts and commits take turns under one lock, one at a time.
+Figures: docs/serving.md#several-streams-per-target-server.
 """
 
 from __future__ import annotations
