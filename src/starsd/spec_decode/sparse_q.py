@@ -1,23 +1,18 @@
 """The draft distribution q of a sampled draft, held over a small support: what a sampled draft
 carries to verification, over the wire or not.
 
-Verification accepts a sampled draft token x with probability min(1, p(x) / q(x)) (verify.py), which
-keeps the target distribution only if q is exactly the distribution x was drawn from. A draft does
-not sample from its model's whole warped distribution (V float32 values a node: 608 KB for
-V = 151,936) but from a truncation of it (`SparseQ.truncate`): its top_k likeliest tokens, cut to the
-smallest prefix of them whose mass reaches top_p of theirs, renormalised and rounded to float16. Those
-token ids (int32 on the wire) and 16-bit weights are a node's whole q: 6 bytes a token, at most 384
-bytes a node at top_k = 64.
-
+Verification accepts a sampled draft token x with probability min(1, p(x) / q(x)) (verify.py),
+which keeps the target distribution only if q is exactly the distribution x was drawn from. A draft
+samples not from its model's whole warped distribution (V float32 values a node) but from a
+truncation of it (`SparseQ.truncate`): its top_k likeliest tokens, cut to the smallest prefix of
+them whose mass reaches top_p of theirs, renormalised and rounded to float16. Those token ids
+(int32 on the wire) and 16-bit weights are a node's whole q; a token whose weight rounds to 0 is
+outside the support.
 Exactness: the draft samples from the float16 weights themselves, normalised by `normalise`, which
-gives the same float32 values on every device and in any summation order (see there). So the q that
-verification reads is, bit for bit, the q the draft sampled from; truncating costs acceptance (the
-draft mass it drops), never losslessness.
-
-float16 rather than bfloat16: a probability needs precision, not range. float16 keeps 11 significant
-bits down to 6e-5 (bfloat16: 8), so the weights hold the truncated distribution to 0.05% rather than
-0.4%; what float16 cannot hold (below 6e-8) is mass no draft would ever sample, and a token whose
-weight rounds to 0 is simply outside the support.
+gives the same float32 values on every device and in any summation order (see there). So the q
+that verification reads is, bit for bit, the q the draft sampled from; truncating costs acceptance
+(the draft mass it drops), never losslessness. Sizes on the wire: docs/protocol.md; why float16:
+docs/lossless.md#greedy-sampling-and-late-drafts.
 """
 
 from __future__ import annotations

@@ -5,21 +5,17 @@ Vocabulary (one verify step of one sequence):
 - target distribution p: the target's warped next-token distribution after the root and after
   every node, from ONE forward pass over root + tree.
 - accepted tokens: the path of draft nodes that verification keeps, from the root downwards.
-- recovered token: on a rejection, the token sampled from the residual distribution
-  norm(max(0, p - q)); it replaces the rejected draft token.
-- bonus token: when the path ends at a leaf (or the draft is empty), a token sampled from p at
-  that leaf, for free.
+- recovered token: on a rejection, a token sampled from the residual norm(max(0, p - q)), in the
+  rejected draft token's place.
+- bonus token: when the path ends at a leaf (or the draft is empty), a token sampled from p there.
 Every step therefore emits len(accepted) + 1 tokens.
-
-The rule (Leviathan et al. 2023, Chen et al. 2023) accepts draft token x drawn from q with
-probability min(1, p(x) / q(x)); its output is distributed exactly as p. For several candidate
-children of one node the rule is applied to each in turn, the residual replacing p after each
-rejection (SpecInfer's multi-round rule). A deterministically chosen candidate (top-k, argmax) has
-q = one-hot: it is accepted with probability p(x), and the residual is p with x removed; this keeps
-the target distribution for any set of distinct siblings. A sampled token's q is the draft's own
-truncated distribution, over a small support and in the very 16-bit values the token was drawn from
-(sparse_q.py): verification spreads it over the vocabulary only for a residual. Greedy decoding (temperature 0) reduces
-to exact argmax matching, so it reproduces target-only greedy decoding token for token.
+The rule (Leviathan et al. 2023, Chen et al. 2023) accepts a draft token x drawn from q with
+probability min(1, p(x) / q(x)), so the output is distributed exactly as p. A node's children are
+tried in turn, the residual replacing p after each rejection (SpecInfer). A deterministically
+chosen candidate (top-k, argmax) has q = one-hot: it is accepted with probability p(x), and the
+residual is p with x removed, which keeps p for any set of distinct siblings. A sampled token's q
+is the draft's own truncated distribution, in the 16-bit values it was drawn from (sparse_q.py).
+Greedy decoding (temperature 0) is exact argmax matching, so it equals target-only greedy decoding.
 """
 
 from __future__ import annotations

@@ -1,42 +1,20 @@
 """Pre-drafting: the draft server's idle time put to work.
 
-Below N_full the draft server waits while its targets verify. While no request is queued, the
-likeliest outcomes of each waiting session's last chain are drafted ahead, each as the next
-request it would bring:
-- the chain accepted whole, and the target's next token (the bonus) equal to the draft model's
-  own best guess after it: one draft a level deeper than the session's, whose first level is the
-  bonus guess and the levels below it the next draft;
-- the chain accepted up to position j and rejected there, the target's token being the draft's
-  runner-up at j (the likeliest token where the draft's own is wrong, Drafter: DraftJob.second):
-  that token ingested after the first j, and a draft below it.
-They are drafted one batch of ROWS at a time, the likeliest first over every idle session (by how
-many tokens short of the whole chain each session's requests have come, `observe`), up to OUTCOMES
-per session: the first is ready soonest, and a request that comes meanwhile loses only the batch in
-progress (a batch of four drafted to full depth took longer than the target's verify pass, and
-most requests found it unfinished). Unless the sessions' requests come together (`together`: one
-engine's batch of rows, which says so in its requests, DraftRequest.more, and whose next requests
-come together again): then the likeliest outcome of each of them, COHORT_ROWS at most, is drafted in
-one batch, which costs little more than one (a level of 3 streams, 1.19 times one stream's with the
-0.5B draft on an AMX Xeon's 2 cores) and is ready when they all come. One at a time, the draft
-server covered fewer than one outcome of each of vLLM's 3 rows per verify pass. A request that
-brings exactly the tokens of an outcome is answered at once from it; any other is drafted as
-usual and the pre-drafts are dropped. Each pre-draft is as deep as the session's last request
-asked, and one level more (the target's depth policy looks deeper now and then): a pre-draft the
-full configured depth took longer than the target's verify pass, and the request it was for
-found it unfinished.
-
-Real requests come first: a pre-draft ends at the next level boundary when a request arrives
-(what it drafted so far is kept, and answers a request that asks no more than twice as deep), and
-a batch of pre-drafts is small, so that a level, and the delay it can add to a request, stays
-short. It does not start while the server has been busy more than MAX_BUSY of the last
-LOOKBACK_S seconds: past N_full the gaps between batches are too short to use, and a pre-draft
-would only delay the next batch.
-
-Each pre-draft runs on a copy of the session's draft state, so a miss costs nothing but the idle
-time it used. After a hit on a whole chain the bonus guess is a drafted node, not yet committed:
-it is carried (`Session.carry`) in front of the tokens of the next request. Chains only (top_k 1,
-not sampled): their likeliest outcomes are single paths. Losslessness is untouched: the target
-verifies every token.
+While no request is queued, the likeliest *outcomes* of each waiting session's last chain are
+drafted ahead, each as the request it would bring:
+- accepted whole, with the draft's own guess of the bonus token: a draft a level deeper, led by it;
+- rejected at position j, the target's token being the draft's runner-up there (DraftJob.second).
+They go one batch of ROWS at a time, the likeliest first over every idle session (ranked by
+`observe`), OUTCOMES a session at most; sessions whose requests come together (`together`: an
+engine's rows, DraftRequest.more) get each one's likeliest in one batch (COHORT_ROWS at most). Each
+is as deep as the session's last request, plus one level. A request bringing exactly an outcome's
+tokens is answered from it at once; any other is drafted as usual. Real requests come first: a
+pre-draft stops at the next level when one arrives (its levels answer a request asking at most twice
+as deep), and none starts while the server was busy more than MAX_BUSY of the last LOOKBACK_S
+seconds. Each runs on a copy of the session's draft state (a miss costs only idle time); a whole
+chain's bonus guess, not yet committed, is carried (`Session.carry`) before the next request's
+tokens. Chains only (top_k 1, not sampled).
+Figures and what was tried: docs/scheduler.md#pre-draftings-outcomes.
 """
 
 from __future__ import annotations

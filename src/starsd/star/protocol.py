@@ -3,28 +3,18 @@
 A message is a ZeroMQ multipart message: frame 0 is one byte of message type followed by a
 msgspec/msgpack header (a typed Struct, encoded as an array); every tensor travels as its own raw
 frame after it, described by a TensorSpec in the header (zero-copy on both sides: no pickle, no
-torch.save). `decode` validates everything before anything else sees it: the type byte, the
-header's types, frame counts, dtypes, shapes against frame sizes, and the size limits below. A
-message that fails validation raises ProtocolError, which the server turns into an Error reply.
-
+torch.save). `decode` validates everything before anything else sees it (the type byte, the
+header's types, frame counts, dtypes, shapes against frame sizes, the size limits below); a
+message that fails raises ProtocolError, which the server turns into an Error reply.
 One draft iteration of a session:
   target -> server  DraftRequest(tag, step, tokens = committed since the last request [, features])
   server -> target  DraftReply(tag, step, tokens, parents [, q ids, q weights])
-A sampled draft's q travels as each node's support (spec_decode/sparse_q.py): token ids int32 [n, K] and
-their float16 weights [n, K], the very values the draft sampled from.
-The first request of a generation stream carries reset=True, the whole prompt and the settings.
-A server that drafts with an EAGLE head says in its Welcome which target features it needs
-(`taps`); each request then carries, for each token, the target's feature of the position before
-it (a reset's first row is zeros: the first token has none), as bfloat16 [m, F], or as uint8
-[m, F] with float32 [m, 2] (each row's min and step): see `features_to_wire`.
-
-A target server (star/target_server.py) speaks the same wire to whoever sends it work (the gateway):
-  gateway -> target  Describe                       target -> gateway  TargetInfo
-  gateway -> target  Generate(id, prompt or messages, limits, sampling)
-  target -> gateway  Output(id, text delta, step figures) per target step; the last one has a finish reason
-  gateway -> target  Cancel(id): the stream ends after the step in progress
-  gateway -> target  DraftMoved(old, new): a draft server of the star runs at `new` now, not at `old`
-                     (a Ray actor started again on another node); the target's sessions follow it
+The first request of a stream carries reset=True, the whole prompt and the settings. A sampled
+draft's q travels as each node's support (spec_decode/sparse_q.py); a server drafting with an
+EAGLE head names in its Welcome the target features it needs (`taps`), which each request then
+carries (`features_to_wire`). A target server (star/target_server.py) speaks the same wire to the
+gateway: Describe -> TargetInfo; Generate -> an Output per target step; Cancel; DraftMoved.
+Every message and field: docs/protocol.md.
 """
 
 from __future__ import annotations

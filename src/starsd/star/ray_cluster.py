@@ -1,23 +1,18 @@
 """A star placed on a Ray cluster: the draft server and the target servers run as Ray actors on the
 nodes their resources choose, then talk ZeroMQ to each other and to the gateway directly. Ray only
-places and stops them: it stays off the data path (its calls measured 5-20x slower than ZeroMQ).
+places and stops them: it stays off the data path.
 
 Each actor starts the same `starsd draft-server` / `starsd target-server` process a local star
 runs, bound to its node's IP, and supervises it as a local star does (star/supervise.py): a process
-that exits is started again with the same command line, so at the same address, where its peers
-find it again. The process dies with its actor. An actor lost with its node is started again by
-Ray (`max_restarts`) on a node its resources allow, once there is one: its process then runs at a
-new address, and `RayStar.watch` tells the gateway: it serves through a target server at its new
-address from then on, and tells every target of a draft server's (protocol.DraftMoved: their sessions
-follow it), and each target that joins later too, since a target server started again knows only the
-addresses of its command line. Resources are Ray's: custom ones ({"draft_host": 1}) or GPUs
-({"GPU": 1}); none means anywhere.
-
-Every link is CurveZMQ-authenticated and encrypted: `StarKeys` makes a fresh set of key pairs for
-each star (the draft server's, one its targets share, the target servers' serving pair and the
-gateway's), each actor gets the files its process needs through its start call (Ray's control
-plane, once) and writes them into a private directory on its node (mode 700, secrets 600), and the
-gateway in the driver gets its own. So the nodes' addresses are bound with keys, not `--insecure`.
+that exits is started again at the same address. The process dies with its actor. An actor lost
+with its node is started again by Ray (`max_restarts`) on a node its resources allow, its process
+at a new address; `RayStar.watch` tells the gateway, which then serves through a target server at
+its new address, and tells every target of a draft server's (protocol.DraftMoved), targets that
+join later included. Resources: custom ones ({"draft_host": 1}), GPUs ({"GPU": 1}), or none.
+Every link is CurveZMQ-authenticated and encrypted: `StarKeys` makes a fresh key set per star (the
+draft server's, one its targets share, the target servers' serving pair, the gateway's); each
+actor gets its files through its start call and writes them to a private directory on its node
+(mode 700, secrets 600). How it is tested: docs/deploying.md#on-ray-how-it-is-tested.
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """A discrete-event simulation of K draft servers and N targets, on the parameters of a Profile.
 
-The analytical model (sysmodel.py) gives steady-state means under approximations; this simulation
-plays the star out request by request, so it also gives queueing, per-token latency spread, and
-answers for several draft servers. Terms (times in ms, as in sysmodel.py):
-
-- target: one target model. It has exactly one outstanding draft request at a time. One iteration
-  of a target runs from sending a request to sending the next one: the request waits in the draft
-  server's queue Q_in, is drafted, the reply returns, the target spends its return time R (verify +
-  network), commits its tokens and sends its next request. T_gamma is the mean iteration time.
-- draft server: serves the targets statically assigned to it (round-robin: target i -> server
-  i % K). Serial: FIFO, one request at a time, service time S(1) each. Batched (the work-conserving
-  loop): whenever it is idle and requests are pending, it drafts up to max_batch of them (arrival
-  order) together for S(b); the replies of a batch all leave at its end, and requests arriving
-  during a batch wait for the next one.
-- idle: the share of time a draft server waits for verification results; utilisation is the rest.
+The analytical model (sysmodel.py) gives steady-state means under approximations; this plays the
+star out request by request, so it also gives queueing, per-token latency spread, and answers for
+several draft servers. Terms (times in ms, as in sysmodel.py):
+- target: one target model, with one outstanding draft request at a time. An iteration runs from
+  sending a request to sending the next: the request waits in the server's queue Q_in, is drafted
+  and returns, and the target spends its return time R (verify + network); T_gamma is its mean.
+- draft server: serves the targets assigned to it (target i -> server i % K). Serial: FIFO, one
+  request at a time, S(1) each. Batched (work-conserving): when idle with requests pending, it
+  drafts up to max_batch of them (arrival order) for S(b), and all their replies leave at its end.
+- idle: the share of time a server waits for verification results; utilisation is the rest.
 - N_full: the load at which one draft server is fully loaded (sysmodel.n_full).
 - per-token latency: an iteration of duration T that commits a tokens gives a samples of T / a.
-
-R is drawn from the profile's return_samples_ms (else it is return_ms), the tokens per iteration
-from its tokens_samples (else tokens_per_iteration). All targets send their first request at t = 0,
-like the launcher's barrier; figures are measured over a window after a warm-up. Draft servers
-share nothing, so each is simulated on its own and the results are pooled.
+R and the tokens per iteration are drawn from the profile's return_samples_ms and tokens_samples
+(else return_ms, tokens_per_iteration). All targets send their first request at t = 0; figures come
+from a window after a warm-up. Servers share nothing: each is simulated alone, the results pooled.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """The analytical system model of a star: one draft server, N targets (DESIGN.md).
 
 Terms (times in ms)
-- S(b): the draft server's service time for one batch of b draft requests, measured. A serial
-  (one-at-a-time) server always works with b = 1; S_eff = S(b) / b is the service time per request.
-- R: a target's return time per iteration: from the moment its draft is ready on the server to the
-  moment its next request is there (verify + network + serialisation).
+- S(b): the draft server's measured service time for a batch of b draft requests (a serial server
+  always has b = 1); S_eff = S(b) / b is the service time per request.
+- R: a target's return time per iteration: from its draft being ready on the server to its next
+  request being there (verify + network + serialisation).
 - tau: tokens a target commits per iteration (accepted draft tokens + the bonus/correction token).
-- T_gamma: one target's iteration time, T_gamma = N * S_eff + T_idle, where T_idle is the time the
-  draft server waits for verification results in one round of the N targets.
-
-Regimes: under-loaded (T_idle > 0, the server idles between replies) and fully loaded (T_idle = 0,
-work-conserving). The draft server's throughput X (iterations/s) has two bounds:
+- T_gamma = N * S_eff + T_idle: one target's iteration time, T_idle being the time the server waits
+  for verification results in one round of the N targets (> 0 under-loaded, 0 fully loaded).
+The server's throughput X (iterations/s) has two bounds:
   X <= N / (R + S(1))           every target iterating as if alone with the server (linear growth)
   X <= C = max_b b / S(b)       the server's capacity, b <= max_batch (1 when serial)
-N_full = C * (R + S(1)) is where they meet: past it, more targets add queueing delay but no draft
-capacity (the asymptotic-bounds knee of a closed system). Between the bounds, a batching server's
-batch size b at load N follows from Little's law: of the N targets, X*R are verifying, b are being
-drafted and on average b/2 more wait for the running batch to end, so N = b * (1.5 + R / S(b)),
-and the server's throughput at that load is b / S(b).
-
-Everything here is pure arithmetic on a Profile, so it is tested without processes or sockets.
+N_full = C * (R + S(1)) is where they meet: past it, more targets add queueing but no capacity (the
+knee of a closed system's asymptotic bounds). Between them, by Little's law (X*R targets verifying,
+b drafted, b/2 waiting on average), a batching server's batch b at load N has throughput b / S(b),
+where N = b * (1.5 + R / S(b)). Pure arithmetic on a Profile, tested without processes or sockets.
 """
 
 from __future__ import annotations
