@@ -67,3 +67,32 @@ def test_every_committed_results_file_says_what_made_it():
         if not all(meta.get(key) for key in ("command", "commit", "cpu")):
             lacking.append(path.name)
     assert not lacking, f"no command, commit or CPU recorded: {lacking}"
+
+
+def figure(name: str) -> dict:
+    return json.loads((ROOT / "docs" / "results" / name).read_text())
+
+
+def first_screen_figures() -> dict[str, str]:
+    """What the README's first screen quotes, as computed from its committed files."""
+    demo = figure("demo-epyc-avx2.json")
+    steps = sum(r["target_steps"] for r in demo["requests"])
+    split = figure("vllm-split.json")["figures"]
+    two = figure("vllm-split-x2.json")["figures"]
+    serve = [x for f in ("vllm-serve-bf16.json", "vllm-serve-fp32.json")
+             for per in figure(f)["figures"]["star"].values() for x in per["vs_alone"]]
+    return {
+        "demo requests": f"served {len(demo['requests'])} requests at once",
+        "demo ratio": f"at {demo['system']['tokens_per_s'] / demo['system']['target_only_tokens_per_s']:.2f}x of",
+        "demo drafted": f"drafting {sum(r['drafts'] for r in demo['requests'])} of {steps} steps",
+        "one instance": f"{split['star-real@0']['tokens_per_s'] / split['vllm-draft-4@0']['tokens_per_s']:.2f}x",
+        "two instances": f"{two['star-real-x2@0']['tokens_per_s'] / two['vllm-draft-4-x2@0']['tokens_per_s']:.2f}x",
+        "vllm serve": f"{min(serve):.2f}-{max(serve):.2f}x of `vllm serve` alone in {len(serve)} runs",
+    }
+
+
+def test_the_readmes_first_screen_quotes_its_committed_files():
+    """The figures a newcomer reads first are the values in the files it links, as they are now."""
+    screen = " ".join((ROOT / "README.md").read_text().splitlines()[:45])
+    wrong = {k: v for k, v in first_screen_figures().items() if v not in screen}
+    assert not wrong, f"the README's first screen does not say: {wrong}"
