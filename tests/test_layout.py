@@ -82,6 +82,17 @@ def test_no_import_circle():
     assert not circles, "\n".join(circles)
 
 
+def test_module_docstrings_say_what_in_a_screen():
+    """A module's docstring says what it does and defines its terms; figures, runs and what was tried
+    live on the docs page of its area."""
+    long = []
+    for module, path in modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if doc.count("\n") + 1 > 20:
+            long.append(f"{module}: {doc.count(chr(10)) + 1} lines")
+    assert not long, "\n".join(long)
+
+
 def test_no_part_imports_a_higher_one():
     broken = []
     for path in sorted(ROOT.rglob("*.py")):
