@@ -11,7 +11,8 @@ from starsd.models.drafter import Drafter
 from starsd.models.pair import Pair
 from starsd.prompts import Prompt
 from starsd.spec_decode.decode import measure_verify, speculative, target_only
-from starsd.spec_decode.depth import MAX_STOP, Acceptance, Costs, DepthPolicy
+from starsd.spec_decode.depth import MAX_STOP, Decision, DepthPolicy, Source, decide
+from starsd.spec_decode.estimates import Acceptance, Costs
 
 
 def test_draft_costs_are_a_line_through_each_depths_median():
@@ -89,16 +90,22 @@ def measured_table(figures: dict[int, float], times: int = 3) -> Costs:
     return costs
 
 
+def decided(policy: DepthPolicy, limit: int, before_prefill: bool = False, **source) -> Decision:
+    """The decision on the policy's figures alone (no look due, no pause): the pure rule."""
+    return decide(policy.situation(limit, Source(**source), before_prefill=before_prefill))
+
+
 def run(policy: DepthPolicy, steps: int, decode_ms: float, verify_per_token: float, draft_per_level: float,
-        wait_ms: float, right: int = 8, verify=None, share_per_level: float | None = None) -> list[int]:
+        wait_ms: float, right: int = 8, verify=None, share_per_level: float | None = None,
+        source: Source = Source()) -> list[int]:
     """Feed the policy a synthetic stream whose drafts are right for their first `right` tokens (and
     wrong at the next);
     a verify pass of w tokens costs verify(w), by default decode_ms + verify_per_token * (w - 1);
-    `share_per_level`: a co-hosted server's compute on a draft, per level."""
+    `share_per_level`: a co-hosted server's compute on a draft, per level; `source`: the drafter's."""
     verify = verify or (lambda w: decode_ms + verify_per_token * (w - 1))
     chosen = []
     for _ in range(steps):
-        d = policy.choose(8)
+        d = policy.choose(8, source).depth
         chosen.append(d)
         accepted = min(d, right)
         share = (d, share_per_level * d) if d and share_per_level is not None else None
@@ -135,7 +142,7 @@ def test_a_first_step_slowed_by_warm_up_and_rejected_does_not_stop_drafting():
     assert sum(4 <= d <= 8 for d in tail) >= 26 and chosen[1:16].count(0) <= 2
 
 
-def confident(policy: DepthPolicy, steps: int, told: bool = True) -> list[int]:
+def confident(policy: DepthPolicy, steps: int, told: bool = True, source: Source = Source()) -> list[int]:
     """A stream whose drafts stop by their own confidence (min_path_prob): 30% are sure, run 8
     levels when let and are accepted whole; the rest stop at 2 levels and the second is rejected.
     Verifying costs 300 ms and 5 a token more, drafting 47 ms a level (the 1.5B target and 0.5B draft
@@ -143,7 +150,7 @@ def confident(policy: DepthPolicy, steps: int, told: bool = True) -> list[int]:
     rng = random.Random(3)
     chosen = []
     for _ in range(steps):
-        d = policy.choose(10)
+        d = policy.choose(10, source).depth
         chosen.append(d)
         if d:
             sure = rng.random() < 0.3
@@ -172,10 +179,10 @@ def test_a_stream_whose_chains_stop_themselves_asks_as_deep_as_the_step_allows()
     asks capped at a depth drawn from the positions' acceptance made 0.90x the best fixed depth
     with a fresh policy per answer and 0.96x carried over the answers; asks as deep as the step
     allows 0.96x and 0.99x. Whether to draft at all stays the policy's: a slow server is not asked."""
-    chosen = confident(DepthPolicy(10, explore=16, stops=True), 64)
+    chosen = confident(DepthPolicy(10, explore=16), 64, source=Source(stops=True))
     assert set(chosen) <= {0, 10} and chosen.count(10) >= 56
-    slow = run(DepthPolicy(8, explore=16, stops=True), 160, decode_ms=100, verify_per_token=1, draft_per_level=5,
-               wait_ms=2000)
+    slow = run(DepthPolicy(8, explore=16), 160, decode_ms=100, verify_per_token=1, draft_per_level=5,
+               wait_ms=2000, source=Source(stops=True))
     assert slow[0] == 8 and sum(d == 0 for d in slow[-128:]) >= 124
 
 
@@ -238,10 +245,10 @@ def test_a_new_stream_opens_as_deep_as_its_servers_cost_per_level_allows():
     server whose Welcome says a level has cost 60 ms of late (against the 100 ms a pass is taken to
     cost until measured) opens it at one or two levels; and a co-hosted one's asks ahead are judged
     at that compute until the stream measures its own."""
-    assert DepthPolicy(8).choose(8) == 8
+    assert DepthPolicy(8).choose(8).depth == 8
     told = DepthPolicy(8)
     told.server_prior(60.0)
-    assert 1 <= told.choose(8) <= 2
+    assert 1 <= told.choose(8).depth <= 2
     assert told.draft_ms(4) == pytest.approx(240.0) and told.share_ms(4) == pytest.approx(240.0)
     told.observe(1, 1, 30.0, 2, 100.0)
     told.server_prior(90.0)  # a later Welcome (a new session) changes no figure the stream has
@@ -303,20 +310,27 @@ def test_a_stream_drafting_in_this_process_measures_a_one_token_pass_first(tiny_
     seen = []
 
     class Recorded(DepthPolicy):
-        def choose(self, limit: int) -> int:
-            seen.append((self.prefill_ms, super().choose(limit)))
-            return seen[-1][1]
+        def choose(self, limit: int, source: Source = Source(), before_prefill: bool = False) -> Decision:
+            decision = super().choose(limit, source, before_prefill)
+            seen.append((self.prefill_ms, decision.depth))
+            return decision
 
     gen = speculative(tiny_target, tiny_drafters["good"], [5, 9, 2, 7, 1], 12, DraftConfig(depth=4),
                       SamplingConfig(), policy=Recorded(4))
     assert seen[0][0] > 0 and seen[0][1] == 0 and gen.depths[0] == 0
     for token_ms, drafts in ((32.0, False), (165.0, True)):  # llama.cpp; transformers, about flat to 11 tokens
-        policy = DepthPolicy(10, inline=True, stops=True)
+        policy = DepthPolicy(10)
         policy.server_prior(40.0 if not drafts else 23.0)
         policy.prefill(660.0)
-        assert policy.choose(127) == 0
+        inline = Source(inline=True, stops=True)
+        assert policy.choose(127, inline).depth == 0
         policy.observe(0, 0, None, 1, token_ms)
-        assert policy.choose(127) == (10 if drafts else 0)
+        assert policy.choose(127, inline).depth == (10 if drafts else 0)
+
+
+def scripted(policy: DepthPolicy, limit: int, source: Source, depth: int) -> Decision:
+    """A decision to draft `depth` deep, with the deadline the rule would give it."""
+    return Decision(depth, policy.situation(limit, source).deadline_ms(depth) if depth else 0.0)
 
 
 def test_a_streams_first_draft_ingests_the_prompt_and_is_no_draft_time(tiny_target, tiny_drafters):
@@ -332,9 +346,9 @@ def test_a_streams_first_draft_ingests_the_prompt_and_is_no_draft_time(tiny_targ
             return super().propose(seq, new_tokens, cfg, *args, **kwargs)
 
     class Late(DepthPolicy):  # decodes its first two steps alone, then drafts
-        def choose(self, limit: int) -> int:
+        def choose(self, limit: int, source: Source = Source(), before_prefill: bool = False) -> Decision:
             self.steps += 1
-            return 0 if self.steps <= 2 else min(limit, 4)
+            return scripted(self, limit, source, 0 if self.steps <= 2 else min(limit, 4))
 
     policy = Late(4)
     gen = speculative(tiny_target, Ingesting(tiny_drafters["good"].model), [5, 9, 2, 7, 1], 8, DraftConfig(depth=4),
@@ -390,8 +404,9 @@ def test_no_look_at_a_depth_whose_draft_in_this_process_could_not_pay():
     cores beside a llama.cpp target, the 0.5B draft costs about 40 ms a level against 31 ms for the
     target's token. Even accepted every time, one drafted token costs 40 + 50 ms for 2 tokens against
     31 for one alone: no look is made. A server's draft, whose wait may shrink, is still looked at."""
-    inline = DepthPolicy(8, explore=16, verify_ms=llamacpp_table(), inline=True)
-    assert run(inline, 256, 0, 0, draft_per_level=40, wait_ms=0, right=3, verify=inline.verify_ms)[2:].count(0) == 254
+    inline = DepthPolicy(8, explore=16, verify_ms=llamacpp_table())
+    assert run(inline, 256, 0, 0, draft_per_level=40, wait_ms=0, right=3, verify=inline.verify_ms,
+               source=Source(inline=True))[2:].count(0) == 254
     served = DepthPolicy(8, explore=16, verify_ms=llamacpp_table())
     assert any(run(served, 256, 0, 0, draft_per_level=40, wait_ms=0, right=3, verify=served.verify_ms)[16:])
 
@@ -407,7 +422,7 @@ def test_a_stream_drafting_in_this_process_takes_the_drafters_cost_per_level(tin
     cfg = DraftConfig(depth=4, min_path_prob=0.0)
     policy = DepthPolicy(4, verify_ms=slow_target())
     speculative(tiny_target, drafter, prompt, 12, cfg, SamplingConfig(), policy=policy)
-    assert policy.inline and drafter.levels  # against a slow target it drafts at once: its first draft fed levels
+    assert drafter.levels  # against a slow target it drafts at once: its first draft fed levels
     assert policy.draft_ms.prior == pytest.approx(max(1.0, drafter.levels[0]))
     drafter.levels.extend([250.0] * 9)  # as if its levels had cost 250 ms each of late
     policy = DepthPolicy(4, verify_ms=slow_target())
@@ -420,13 +435,14 @@ def test_no_look_at_drafting_makes_a_cohosted_server_ingest_a_prompt():
     """A co-hosted server that holds none of a stream (no draft of it was asked) would ingest the
     whole prompt for a look, on the cores the targets verify on (about a second of a core for 130
     tokens of the 0.5B draft here): none is made. Once it holds the stream, looks come as usual."""
-    policy = DepthPolicy(8, explore=16, cohosted=True)
-    chosen = run(policy, 128, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3,
-                 share_per_level=5)
-    assert chosen[0] == 8 and chosen[1:].count(0) == 127  # its first step drafted: it holds the stream
-    policy.holds = False  # a new stream
-    assert run(policy, 128, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3,
-               share_per_level=5).count(0) == 128
+    def chosen(holds: bool) -> list[int]:
+        return run(DepthPolicy(8, explore=16), 128, decode_ms=100, verify_per_token=5, draft_per_level=150,
+                   wait_ms=0, right=3, share_per_level=5, source=Source(cohosted=True, holds=holds))
+
+    apart = chosen(holds=False)
+    assert apart[0] == 8 and apart[1:].count(0) == 127  # its first draft: where a stream's first step asks one
+    held = chosen(holds=True)
+    assert held[0] == 8 and any(held[16:])
 
 
 def test_a_move_to_another_server_voids_what_the_last_one_taught():
@@ -436,10 +452,11 @@ def test_a_move_to_another_server_voids_what_the_last_one_taught():
     policy = DepthPolicy(8, explore=16)
     run(policy, 32, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2, right=6)
     for _ in range(3):
-        policy.missed(policy.chosen or 8, 400.0)
-    assert policy.paused and policy.choose(8) == 0
-    policy.new_server(5.0)
-    assert not policy.paused and policy.draft_ms.measured(8) == 0 and policy.choose(8) > 0
+        policy.missed(8, 400.0)
+    assert policy.paused and policy.choose(8).depth == 0
+    assert not policy.follow(0, 5.0) and policy.paused  # the same server
+    assert policy.follow(1, 5.0)
+    assert not policy.paused and policy.draft_ms.measured(8) == 0 and policy.choose(8).depth > 0
 
 
 def test_deadline_is_the_wait_speculation_can_win_back():
@@ -448,22 +465,24 @@ def test_deadline_is_the_wait_speculation_can_win_back():
         policy.observe(4, 4, 10.0, 5, 200.0)  # every draft fully accepted; verifying 5 tokens: 200 ms
         policy.observe(0, 0, None, 1, 100.0)  # decoding alone: 100 ms
     # (1 + 4 accepted) * 100 ms alone - 200 ms verify = 300 ms: a later draft loses to decoding alone
-    assert policy.deadline_ms(4) == pytest.approx(300.0, rel=0.02)
-    assert policy.rate(4) * 1.0 == pytest.approx(5 / 210, rel=0.02)
+    assert policy.situation(4).deadline_ms(4) == pytest.approx(300.0, rel=0.02)
+    assert decided(policy, 4).deadline_ms == pytest.approx(300.0, rel=0.02)
+    assert policy.situation(4).rate(4) == pytest.approx(5 / 210, rel=0.02)
 
 
 def test_a_missed_deadline_pauses_drafting_longer_each_time_in_a_row():
     policy = DepthPolicy(4, explore=4)
     for _ in range(8):
         policy.observe(4, 2, 5.0, 5, 50.0)
+    depths = lambda n: [policy.choose(4).depth for _ in range(n)]
     policy.missed(4, 300.0)
-    assert [policy.choose(4) for _ in range(4)] == [0] * 4 and policy.choose(4) > 0
+    assert depths(4) == [0] * 4 and policy.choose(4).depth > 0
     policy.missed(4, 300.0)
-    assert [policy.choose(4) for _ in range(8)] == [0] * 8  # twice as long after a second miss in a row
+    assert depths(8) == [0] * 8  # twice as long after a second miss in a row
     policy.choose(4)
     policy.observe(4, 2, 5.0, 5, 50.0)  # a draft in time ends the run of misses
     policy.missed(4, 300.0)
-    assert [policy.choose(4) for _ in range(4)] == [0] * 4 and policy.choose(4) > 0
+    assert depths(4) == [0] * 4 and policy.choose(4).depth > 0
 
 
 def test_a_first_miss_before_the_draft_time_is_known_is_a_figure_not_a_pause():
@@ -481,10 +500,10 @@ def test_a_first_miss_before_the_draft_time_is_known_is_a_figure_not_a_pause():
 def test_first_deadline_trusts_the_server_as_long_as_the_prefill_took():
     policy = DepthPolicy(4)
     policy.prefill(2000.0)
-    assert policy.deadline_ms(4) > 2000.0  # no pass measured yet: (1 + accepted) * 2 s - 2 s
+    assert decided(policy, 4).deadline_ms > 2000.0  # no pass measured yet: (1 + accepted) * 2 s - 2 s
     policy.observe(4, 1, 5.0, 5, 100.0)
     policy.prefill(9000.0)  # a pass is measured: the prefill no longer stands in for it
-    assert policy.deadline_ms(4) < 1000.0
+    assert decided(policy, 4).deadline_ms < 1000.0
 
 
 def test_a_draft_already_here_is_verified_as_deep_as_pays_without_a_wait():
@@ -492,9 +511,9 @@ def test_a_draft_already_here_is_verified_as_deep_as_pays_without_a_wait():
     waiting, the stream decodes alone; a draft that arrived while it did is worth verifying 3 deep,
     and so it asks ahead one deeper (this step commits a token before the draft can be used)."""
     policy = learnt(right=3)
-    assert policy.choose(8) == 0
+    assert policy.choose(8).depth == 0
     assert policy.worth(8) == 3 and policy.worth(2) == 2 and policy.worth(0) == 0
-    assert policy.ahead(8) == 4 and policy.ahead(3) == 3
+    assert decided(policy, 8).ahead == 4 and decided(policy, 3).ahead == 3
 
 
 def test_a_draft_asked_ahead_of_a_server_on_this_host_costs_its_compute():
@@ -503,27 +522,29 @@ def test_a_draft_asked_ahead_of_a_server_on_this_host_costs_its_compute():
     150 ms of the server's compute a level: a draft already here is worth verifying, yet none is asked
     ahead, where one would be of a server on another host; at 5 ms a level, it is. What counts is the
     server's compute, not the wait: a server 2 s away that computes 5 ms a level is asked ahead."""
-    dear = DepthPolicy(8, explore=16, cohosted=True)
-    run(dear, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3, share_per_level=150)
-    assert dear.choose(8) == 0 and dear.worth(8) > 0
-    assert dear.ahead(8) == 0
-    dear.cohosted = False
-    assert dear.ahead(8) > 0
-    far = DepthPolicy(8, explore=16, cohosted=True)
-    run(far, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000, right=3, share_per_level=5)
-    assert far.choose(8) == 0 and far.ahead(8) > 0
+    dear = DepthPolicy(8, explore=16)
+    run(dear, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3, share_per_level=150,
+        source=Source(cohosted=True))
+    assert decided(dear, 8, cohosted=True).depth == 0 and dear.worth(8) > 0
+    assert decided(dear, 8, cohosted=True).ahead == 0
+    assert decided(dear, 8).ahead > 0  # of a server on another host
+    far = DepthPolicy(8, explore=16)
+    run(far, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000, right=3, share_per_level=5,
+        source=Source(cohosted=True))
+    far_ahead = decided(far, 8, cohosted=True)
+    assert far_ahead.depth == 0 and far_ahead.ahead > 0
 
 
 def test_a_cohosted_server_is_asked_no_first_draft_while_drafting_does_not_pay():
     """A prompt's first draft has the server ingest the whole prompt: on this host's cores, for a
     stream whose waited drafts do not pay (150 ms a level to wait for), none is asked, though the
     draft's own compute (5 ms a level) would pay asked ahead; of a server elsewhere it is asked."""
-    policy = DepthPolicy(8, explore=16, cohosted=True)
-    run(policy, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3, share_per_level=5)
+    policy = DepthPolicy(8, explore=16)
+    run(policy, 64, decode_ms=100, verify_per_token=5, draft_per_level=150, wait_ms=0, right=3, share_per_level=5,
+        source=Source(cohosted=True))
     policy.prefill(500.0)
-    assert policy.ahead(8) > 0 and policy.first(8) == 0
-    policy.cohosted = False
-    assert policy.first(8) > 0
+    assert decided(policy, 8, cohosted=True).ahead > 0 and decided(policy, 8, True, cohosted=True).ahead == 0
+    assert decided(policy, 8, True).ahead > 0
 
 
 def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
@@ -537,20 +558,25 @@ def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
     policy = DepthPolicy(8, explore=16, verify_ms=table)
     for i in range(200):
         policy.observe(2, int(i % 10 != 0), 5.0, 3, table(3))
-    assert policy.worth(8) == 0 and policy.ahead(8) == 0
+    assert policy.worth(8) == 0 and decided(policy, 8).ahead == 0
 
 
 def test_no_draft_is_asked_ahead_that_would_come_too_late_but_now_and_then_one_is():
     """As above (a draft right for three tokens, 100 ms a token alone), but the server takes 2 s on
     a request: 20 tokens pass before a draft at most 8 deep comes, so none is asked but a probe
-    16 steps on, then 32, 64 and 128 apart; once the server's replies say 150 ms (two tokens),
-    drafts are asked ahead at every step again."""
+    16 steps on, then 32, 64 and 128 apart (and the looks at drafting, asked ahead too, ever more
+    rarely); once the server's replies say 150 ms (two tokens), drafts are asked ahead at every step
+    again."""
     policy = learnt(right=3)
-    asks = [policy.ahead(8, 1.0, server_ms=2000.0) for _ in range(400)]
-    probes = [i for i, d in enumerate(asks) if d]
-    assert probes == [15, 47, 111, 239, 367] and {asks[i] for i in probes} == {8}
-    assert policy.ahead(8, 1.0, server_ms=150.0) == 4  # 6 levels left after two tokens: 3 of them pay
-    assert policy.ahead(8, 1.0, server_ms=2000.0) == 0 and policy.late_probes == 0  # back to 16 steps apart
+    decisions = [policy.choose(8, Source(server_ms=2000.0)) for _ in range(400)]
+    probes = [i for i, d in enumerate(decisions) if d.late == "probe"]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]  # (a step whose look is asked ahead is not counted)
+    assert [round(g / 32) for g in gaps] == [1, 2, 4, 4] and not any(d.depth for d in decisions)
+    assert all(d.ahead == 8 for d in decisions if d.late == "probe")
+    asked = [i for i, d in enumerate(decisions) if d.ahead]
+    assert len(asked) <= 12 and set(probes) <= set(asked)
+    timely = policy.choose(8, Source(server_ms=150.0))  # 6 levels left after two tokens: 3 of them pay
+    assert (timely.ahead, timely.late) == (4, "timely") and policy.late_probes == 0  # back to 16 steps apart
 
 
 def test_a_prompts_first_draft_is_asked_only_if_it_can_come_in_time_with_the_prefills_head_start():
@@ -560,10 +586,10 @@ def test_a_prompts_first_draft_is_asked_only_if_it_can_come_in_time_with_the_pre
     a draft nobody takes)."""
     policy = learnt(right=3)
     policy.prefill(1500.0)
-    assert policy.first(8, 1.0, server_ms=2000.0) == 4
+    assert decided(policy, 8, True, server_ms=2000.0).ahead == 4
     policy.prefill(100.0)
-    assert policy.first(8, 1.0, server_ms=2000.0) == 0
-    assert policy.first(8, 20.0, server_ms=0.0) == 0  # drafts that come 20 tokens late, for another reason
+    assert decided(policy, 8, True, server_ms=2000.0).ahead == 0
+    assert decided(policy, 8, True, lateness=20.0).ahead == 0  # drafts that come 20 tokens late, for another reason
 
 
 def test_a_cohosted_draft_is_charged_to_every_other_target_on_the_cores():
@@ -574,8 +600,8 @@ def test_a_cohosted_draft_is_charged_to_every_other_target_on_the_cores():
     prompts, and both targets ran at 0.65-0.78x decoding alone. Its compute slows the other target
     too: charged once more for it (1.8 per 301 ms), no draft pays, none is asked before the prefill
     (whose ingest would take the cores too), and no look at drafting is made."""
-    def stream(neighbours: int) -> DepthPolicy:
-        policy = DepthPolicy(10, explore=16, cohosted=True, neighbours=neighbours)
+    def stream() -> DepthPolicy:
+        policy = DepthPolicy(10, explore=16)
         policy.server_prior(46.0)
         for w, ms in {1: 164, 2: 209, 3: 257, 5: 387, 8: 569, 11: 562}.items():
             for _ in range(3):
@@ -583,12 +609,12 @@ def test_a_cohosted_draft_is_charged_to_every_other_target_on_the_cores():
         policy.prefill(300.0)
         return policy
 
-    alone = stream(0)
-    assert alone.choose(10) > 0 and alone.first(10) > 0
-    shared = stream(1)
-    assert shared.first(10) == 0
-    assert run(shared, 64, decode_ms=164, verify_per_token=45, draft_per_level=46, wait_ms=0, right=1,
-               share_per_level=46) == [0] * 64
+    first = stream().choose(10, Source(cohosted=True), before_prefill=True)
+    assert first.depth > 0 and first.ahead > 0
+    beside = Source(cohosted=True, neighbours=1)
+    assert stream().choose(10, beside, before_prefill=True).ahead == 0
+    assert run(stream(), 64, decode_ms=164, verify_per_token=45, draft_per_level=46, wait_ms=0, right=1,
+               share_per_level=46, source=beside) == [0] * 64
 
 
 def test_a_first_draft_pays_back_the_prompt_it_has_a_cohosted_server_ingest():
@@ -600,14 +626,13 @@ def test_a_first_draft_pays_back_the_prompt_it_has_a_cohosted_server_ingest():
     decodes alone. It drafts where the server holds its tokens, where the answer is long enough to
     pay the ingest back, or where the ingest's cost is not known."""
     def choice(unsent: int, tokens: int, ingest_ms: float = 7.0) -> int:
-        policy = DepthPolicy(10, explore=16, cohosted=True, neighbours=1, inline=True, steps=5)
+        policy = DepthPolicy(10, explore=16, steps=5)
         policy.server_prior(20.0)
         for w, ms in {1: 110, 2: 140, 3: 160, 5: 200, 8: 260, 11: 320}.items():
             for _ in range(3):
                 policy.verify_ms.add(w, ms)
-        policy.unsent = unsent
-        policy.ingest_ms = ingest_ms
-        return policy.choose(tokens - 1)
+        source = Source(cohosted=True, neighbours=1, inline=True, unsent=unsent, ingest_ms=ingest_ms)
+        return policy.choose(tokens - 1, source).depth
 
     assert choice(150, 64) == 0
     assert choice(0, 64) > 0 and choice(150, 2000) > 0 and choice(150, 64, ingest_ms=0.0) > 0
@@ -620,10 +645,10 @@ def test_a_stream_tells_its_policy_what_the_drafter_lacks(tiny_target, tiny_draf
     seen: list[tuple[bool, int]] = []
 
     class Watched(DepthPolicy):  # decodes its first two steps alone, then drafts
-        def choose(self, limit: int) -> int:
-            seen.append((self.holds, self.unsent))
+        def choose(self, limit: int, source: Source = Source(), before_prefill: bool = False) -> Decision:
+            seen.append((source.holds, source.unsent))
             self.steps += 1
-            return 0 if self.steps <= 2 else min(limit, 3)
+            return scripted(self, limit, source, 0 if self.steps <= 2 else min(limit, 3))
 
     prompt = [5, 6, 7, 8, 9]
     speculative(tiny_target, tiny_drafters["good"], prompt, 12, DraftConfig(depth=3), SamplingConfig(),
@@ -641,7 +666,6 @@ def costed(verify: dict[int, float], level_ms: float) -> DepthPolicy:
             policy.draft_ms.add(d, level_ms * d)
     for _ in range(20):
         policy.acceptance.add(10, 6)
-    policy.chosen = 10
     return policy
 
 
@@ -652,11 +676,12 @@ def test_a_chain_stops_where_one_more_level_no_longer_pays():
     Xeon): its chains stop early; a transformers target on a CPU verifies 1 to 11 tokens in about
     one pass's time: they run on; with a level nearly free against a target pass (a GPU), on further
     still. A fixed 0.3 fit none of them."""
-    llamacpp = costed({w: 117 + 32 * (w - 1) for w in (1, 2, 3, 5, 8, 11)}, 38.5).stop()
-    transformers = costed({1: 200, 2: 201, 5: 203, 11: 210}, 38.0).stop()
-    gpu = costed({1: 30, 11: 31}, 1.0).stop()
+    stop = lambda verify, level_ms: decided(costed(verify, level_ms), 10).stop
+    llamacpp = stop({w: 117 + 32 * (w - 1) for w in (1, 2, 3, 5, 8, 11)}, 38.5)
+    transformers = stop({1: 200, 2: 201, 5: 203, 11: 210}, 38.0)
+    gpu = stop({1: 30, 11: 31}, 1.0)
     assert gpu < 0.3 < transformers < llamacpp <= MAX_STOP
-    assert costed({1: 100, 11: 100}, 1000.0).stop() == MAX_STOP  # a level dearer than all it could win
+    assert stop({1: 100, 11: 100}, 1000.0) == MAX_STOP  # a level dearer than all it could win
 
 
 def test_each_draft_stops_where_the_policy_says_unless_told_to_stop_at_min_path_prob(tiny_target, tiny_drafters):
@@ -664,7 +689,7 @@ def test_each_draft_stops_where_the_policy_says_unless_told_to_stop_at_min_path_
     configured one (auto_stop off, or no policy)."""
     class Told(Drafter):
         def propose(self, seq, new_tokens, cfg, *args, **kwargs):
-            stops.append((cfg.min_path_prob, policy.stop()))
+            stops.append((cfg.min_path_prob, policy.situation(4).stop()))
             return super().propose(seq, new_tokens, cfg, *args, **kwargs)
 
     drafter = Told(tiny_drafters["good"].model)
@@ -676,7 +701,7 @@ def test_each_draft_stops_where_the_policy_says_unless_told_to_stop_at_min_path_
         gen = speculative(tiny_target, drafter, prompt, 24, cfg, SamplingConfig(), policy=policy)
         assert gen.token_ids == target_only(tiny_target, prompt, 24, SamplingConfig()).token_ids
         told, chosen = zip(*stops)
-        assert told == (chosen if auto else (0.3,) * len(told)) and policy.stops == auto
+        assert told == (chosen if auto else (0.3,) * len(told))
 
 
 def test_a_look_at_a_server_too_slow_to_pay_is_asked_ahead_not_waited_for():
@@ -685,15 +710,14 @@ def test_a_look_at_a_server_too_slow_to_pay_is_asked_ahead_not_waited_for():
     for that long loses, so no step waits for a look; each look is a draft asked ahead instead, and
     its reply tells whether the server has freed up. With the server at 0 ms, looks are waited for."""
     policy = learnt(right=3)
-    policy.server_ms = 2000.0
     chosen, asked = [], []
     for _ in range(300):
-        chosen.append(policy.choose(8))
-        asked.append(policy.ahead(8, 1.0, server_ms=2000.0) if not chosen[-1] else 0)
+        decision = policy.choose(8, Source(server_ms=2000.0))
+        chosen.append(decision.depth)
+        asked.append(decision.ahead)
         policy.observe(0, 0, None, 1, 100.0)
     assert not any(chosen) and sum(bool(a) for a in asked) >= 4
-    policy.server_ms = 0.0
-    assert any(policy.choose(8) for _ in range(300))
+    assert any(policy.choose(8).depth for _ in range(300))
 
 
 def test_a_stream_that_joins_a_saturated_server_does_not_wait_for_its_drafts():
@@ -705,7 +729,6 @@ def test_a_stream_that_joins_a_saturated_server_does_not_wait_for_its_drafts():
     def stream(server_ms: float) -> list[int]:
         policy = DepthPolicy(10, explore=16, verify_ms=measured_table({1: 200, 11: 230}))
         policy.server_prior(34.0)
-        policy.server_ms = server_ms
-        return [policy.choose(63) for _ in range(64)]
+        return [policy.choose(63, Source(server_ms=server_ms)).depth for _ in range(64)]
 
     assert not any(stream(3000.0)) and sum(map(bool, stream(300.0))) > 32

@@ -406,7 +406,7 @@ def test_a_welcome_says_what_a_drafted_level_has_cost_lately(make_server):
 def test_a_welcome_says_what_a_prompt_token_costs_the_server(make_server):
     """The warm-up ends with a prompt of a warm model; its time, less its one drafted level, per token
     is what a new stream's prompt costs the server to ingest. Each Welcome says it: a target on the
-    server's host weighs its first draft with it (spec_decode/depth.py, catch_up_pays)."""
+    server's host weighs its first draft with it (spec_decode/depth.py, Situation.catch_up_pays)."""
     server, address = make_server()
     a = client(address)
     assert 0 < a.ingest_ms == server.stats.ingest_ms() < 1e3
@@ -468,7 +468,7 @@ def test_welcome_and_pongs_say_how_long_the_servers_requests_wait_lately(make_se
 def test_welcome_and_pongs_count_the_targets_on_the_servers_host(make_server):
     """Each Welcome, and every Pong after, says how many of the server's sessions are of targets on its
     own host (here all: loopback): a co-hosted stream's draft takes its compute from each of them
-    (spec_decode/depth.py, `neighbours`), so the count follows targets that come and go."""
+    (spec_decode/depth.py, Source.neighbours), so the count follows targets that come and go."""
     server, address = make_server()
     first = DraftClient(address, FP, "first", timeout_s=10, heartbeat_s=0.05)
     first.hello()
@@ -483,7 +483,7 @@ def test_welcome_and_pongs_count_the_targets_on_the_servers_host(make_server):
 
 
 def test_each_request_says_where_its_chain_stops(make_server, tiny_drafters):
-    """A stream's depth policy chooses each step's chain threshold (spec_decode/depth.py, DepthPolicy.stop):
+    """A stream's depth policy chooses each step's chain threshold (spec_decode/depth.py, Situation.stop):
     the server drafts each request with the threshold it carries (-1: the session's own), and the
     chains are the drafter's own at that threshold."""
     from starsd.models.drafter import DraftJob

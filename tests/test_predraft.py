@@ -187,7 +187,7 @@ def test_a_target_shares_cores_with_a_server_on_its_host_only_at_more_than_half_
 
 
 def test_a_server_is_on_this_host_whatever_the_threads():
-    """What a co-hosted server's drafts cost (spec_decode/depth.py, `cohosted`) does not depend on threads."""
+    """What a co-hosted server's drafts cost (spec_decode/depth.py, Source.cohosted) does not depend on threads."""
     assert server_on_this_host("tcp://127.0.0.1:5555") and server_on_this_host("tcp://localhost:5555")
     assert server_on_this_host("ipc:///tmp/draft") and not server_on_this_host("tcp://198.51.100.7:5555")
 

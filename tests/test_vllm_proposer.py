@@ -173,8 +173,8 @@ def test_an_engines_own_rows_are_not_each_others_neighbours(server):
         time.sleep(0.05)  # heartbeats: each session hears that the server has 4 on its host
     step(7)
     assert [st.drafter.neighbours for st in streams] == [3, 3, 3, 3]
-    assert [st.policy.neighbours for st in mine.streams] == [1, 1, 1]  # the other engine's row
-    assert [st.policy.neighbours for st in other.streams] == [3]
+    assert [st.source.neighbours for st in mine.streams] == [1, 1, 1]  # the other engine's row
+    assert [st.source.neighbours for st in other.streams] == [3]
     mine.close()
     other.close()
 

@@ -195,7 +195,7 @@ class DraftConfig:
                                    "stream has figures of its own")
     auto_stop: bool = setting(True, "with adaptive: each step's chain stops where one more level no longer pays by the "
                               "stream's measured costs (min_path_prob = (a level's wait + one more verified token) "
-                              "x the stream's tokens per ms; spec_decode/depth.py, DepthPolicy.stop); off: at min_path_prob")
+                              "x the stream's tokens per ms; spec_decode/depth.py, Situation.stop); off: at min_path_prob")
     # One more level pays while its tokens' chance of acceptance exceeds its cost (a drafted level and the wider
     # verify) times the stream's tokens per ms: about 0.45 co-located on transformers and 0.6-0.7 on llama.cpp on
     # an AMX Xeon (bench depth-replay, docs/scheduler.md#replayed-over-recorded-drafts): no one threshold fits both

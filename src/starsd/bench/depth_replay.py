@@ -29,7 +29,8 @@ from starsd import config as C
 from starsd.models.drafter import DraftJob, chain_levels as levels
 from starsd.results import Steps, bar_panels, summary, write_json
 from starsd.spec_decode.decode import measure_verify, target_only
-from starsd.spec_decode.depth import Costs, DepthPolicy
+from starsd.spec_decode.depth import DepthPolicy, Source
+from starsd.spec_decode.estimates import Costs
 
 FIXED = (1, 2, 3, 4, 6, 8, 10)  # fixed depths replayed beside the policy
 NOISE = 0.05  # sd of a cost's log-normal draw about its measured value
@@ -93,7 +94,7 @@ def replay(trace: dict, prompt: dict, depth: int | None, policy: DepthPolicy | N
            max_new_tokens: int, min_path_prob: float | None, noise: float = NOISE) -> tuple[int, float]:
     """(tokens, ms) of one prompt's answer at a fixed `depth`, or under `policy` (fresh or carried
     over earlier prompts), as spec_decode/decode.py drives it for a drafter in this process, its chains
-    stopping below `min_path_prob` (None: where the policy says, DepthPolicy.stop, as with
+    stopping below `min_path_prob` (None: where the policy says, Situation.stop, as with
     DraftConfig.auto_stop); each cost drawn log-normally about its measured value (`noise`: the
     draws' sd)."""
     verify = Costs(0.0)
@@ -104,17 +105,17 @@ def replay(trace: dict, prompt: dict, depth: int | None, policy: DepthPolicy | N
         return ms * math.exp(rng.gauss(0.0, noise)) if noise else ms
 
     level_ms, n = trace["level_ms"], prompt["tokens"]
+    source = Source(inline=True, stops=min_path_prob is None)
     if policy is not None:
-        policy.inline = True
-        policy.stops = min_path_prob is None
         policy.server_prior(level_ms)
         policy.prefill(cost(prompt["prefill_ms"]))
     t, ms, ingest = 0, 0.0, prompt["ingest_ms"]  # the prompt, ingested by the stream's first draft
     while t < n:
         limit = max_new_tokens - t - 1
-        d = policy.choose(limit) if policy is not None else min(depth, limit)
+        decision = policy.choose(limit, source) if policy is not None else None
+        d = decision.depth if decision else min(depth, limit)
         if d > 0:
-            stop = policy.stop() if min_path_prob is None else min_path_prob
+            stop = decision.stop if min_path_prob is None else min_path_prob
             drafted = min(d, levels(prompt["path"][t], stop))
             accepted = min(prompt["accepted"][t], drafted)
             draft_ms = cost(level_ms * drafted)

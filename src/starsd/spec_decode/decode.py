@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from starsd.config import DraftConfig, SamplingConfig
-from starsd.spec_decode.depth import DepthPolicy
+from starsd.spec_decode.depth import Decision, DepthPolicy, Source
 from starsd.spec_decode.drafting import DraftSource
 from starsd.spec_decode.tree import DraftTree
 from starsd.spec_decode.verify import Verdict, make_generator, next_token, verify
@@ -157,75 +157,69 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     elif policy is None or policy.max_depth != draft_cfg.depth:
         policy = DepthPolicy(draft_cfg.depth)
 
-    def pick(budget: int) -> int:  # at most budget tokens come out: budget-1 drafted + 1
-        if policy:  # what the drafter lacks of the stream: its next draft ingests that first
-            policy.unsent = len(new_tokens) if policy.holds else len(prompt_ids) + produced
-            policy.server_ms = drafter.server_ms
-        return policy.choose(budget - 1) if policy else min(draft_cfg.depth, budget - 1)
-
-    def shaped() -> DraftConfig:  # this step's draft: with auto_stop, its chain stops where the policy's costs say
-        return replace(draft_cfg, min_path_prob=policy.stop()) if policy and draft_cfg.auto_stop else draft_cfg
-
     taps = drafter.taps
     width = getattr(target, "width", None)
     ask_ahead = policy is not None and drafter.asynchronous
     inline = policy is not None and not drafter.asynchronous
-    if policy is not None:
-        policy.cohosted = drafter.cohosted
-        policy.neighbours = drafter.neighbours
-        policy.inline = inline
-        policy.stops = draft_cfg.auto_stop
-        policy.server_prior(drafter.level_ms)
-        policy.ingest_ms = drafter.ingest_ms
+    holds = False  # the drafter holds the stream: a draft of it was asked
     ingests = True  # the stream's next draft is its first: the drafter ingests the prompt with it
     new_tokens: list[int] = []  # committed, not yet given to the drafter
     produced = 0
-    depth = pick(max_new_tokens) if max_new_tokens > 0 and not inline else 0
-    # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
-    first = (policy.first(max_new_tokens - 1, drafter.lateness, drafter.server_ms)
-             if ask_ahead and max_new_tokens > 0 else depth)
-    dseq = drafter.start(prompt_ids, shaped(), sampling, first)
+
+    def pick(budget: int, before_prefill: bool = False) -> Decision:  # at most budget tokens: budget-1 drafted + 1
+        if not policy:
+            return Decision(min(draft_cfg.depth, budget - 1))
+        source = Source(inline=inline, cohosted=drafter.cohosted, neighbours=drafter.neighbours,
+                        server_ms=drafter.server_ms, lateness=drafter.lateness, holds=holds,
+                        unsent=len(new_tokens) if holds else len(prompt_ids) + produced,  # its next draft ingests
+                        ingest_ms=drafter.ingest_ms, stops=draft_cfg.auto_stop)
+        return policy.choose(budget - 1, source, before_prefill)
+
+    def shaped() -> DraftConfig:  # this step's draft: with auto_stop, its chain stops where the policy's costs say
+        return replace(draft_cfg, min_path_prob=decision.stop) if policy and draft_cfg.auto_stop else draft_cfg
+
     if policy is not None:
-        policy.holds = first > 0
+        policy.server_prior(drafter.level_ms)
+    # a remote draft may start before the prefill: a draft asked ahead, with the prefill's time to come
+    decision = pick(max_new_tokens, before_prefill=ask_ahead) if max_new_tokens > 0 and not inline else Decision()
+    depth = decision.depth
+    first = decision.ahead if ask_ahead else depth
+    dseq = drafter.start(prompt_ids, shaped(), sampling, first)
+    holds = first > 0
     t_prefill = time.perf_counter()
     seq = target.start(prompt_ids) if taps is None else target.start(prompt_ids, taps)
     prefilled = time.time()
     if policy:
         policy.prefill((time.perf_counter() - t_prefill) * 1e3)
     if inline and max_new_tokens > 0:  # a draft computed when asked, nothing to overlap with the prefill:
-        depth = pick(max_new_tokens)  # the first depth is chosen after the prefill (a fresh policy decodes
-        # the first step alone, measuring what every draft is weighed against: spec_decode/depth.py, choose)
+        decision = pick(max_new_tokens)  # the first depth is chosen after the prefill (a fresh policy decodes
+        depth = decision.depth  # the first step alone, measuring what every draft is weighed against)
     new_features = [] if taps is None or seq.features is None else [seq.features]  # theirs, for a feature-level drafter
     done = max_new_tokens <= 0
     while not done:
         budget = max_new_tokens - produced
-        if policy and drafter.moves != policy.moves:  # another server drafts for this stream now
-            policy.moves = drafter.moves
-            policy.new_server(drafter.level_ms)
-            policy.ingest_ms = drafter.ingest_ms
-        if policy:
-            policy.neighbours = drafter.neighbours
+        if policy and policy.follow(drafter.moves, drafter.level_ms):  # another server drafts for it now
+            holds = False
         if produced:
-            depth = pick(budget)
+            decision = pick(budget)
+            depth = decision.depth
         elif taps is not None and len(prompt_ids) < 2:
             depth = 0  # one token has no feature before it: nothing for a head to draft from yet
         draft_ms = None
         asked = None  # the depth asked of a draft this step waited for
-        ahead = (policy.ahead(budget - 1, drafter.lateness, drafter.server_ms)
-                 if ask_ahead and depth == 0 and produced else 0)
+        ahead = decision.ahead if ask_ahead and depth == 0 and produced else 0
         if depth > 0 or ahead:
             # a first draft asked before the prefill has had all of it: taken if here, else decoded
             # without and taken late (no miss: a server busy with other prompts is not a slow one)
             first = ask_ahead and not produced and dseq.pending
-            deadline_ms = (policy.deadline_ms(depth) if depth and not first else 0) if policy else None
+            deadline_ms = (decision.deadline_ms if depth and not first else 0) if policy else None
             t_draft = time.perf_counter()
             tree = drafter.propose(dseq, new_tokens, shaped(), sampling, draft_gen, max_depth=depth or ahead,
                                    deadline_ms=deadline_ms,
                                    features=torch.cat(new_features) if new_features else None)
             draft_ms = waited_ms = (time.perf_counter() - t_draft) * 1e3
-            if policy:
-                policy.holds = True
-            share = (tree.depth(), dseq.share_ms) if policy and policy.cohosted and len(tree) else None
+            holds = True
+            share = (tree.depth(), dseq.share_ms) if policy and drafter.cohosted and len(tree) else None
             new_tokens = []
             new_features = []
             waited_for = not (ask_ahead and (dseq.behind or not depth or first))

@@ -113,13 +113,13 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     level_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's recent time per drafted level
     # of one stream's draft (ServerStats.level_ms; 0: none measured yet): a new stream's prior for what a draft costs
     local: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # the server's sessions of targets on its own host
-    # (-1: not said): a co-hosted target's draft takes its compute from each of them (spec_decode/depth.py, `neighbours`)
+    # (-1: not said): a co-hosted target's draft takes its compute from each of them (spec_decode/depth.py, Source.neighbours)
     ingest_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's time to ingest one token of a
     # stream it does not hold (a prompt), as its warm-up measured (0: not measured): what a stream's first draft
-    # costs beyond its levels (spec_decode/depth.py, `unsent`)
+    # costs beyond its levels (spec_decode/depth.py, Source.unsent)
     wait_ms: Annotated[float, msgspec.Meta(ge=-1.0, le=1e9)] = -1.0  # the server's recent time on a request, from its
     # arrival to its reply (queue and draft; ServerStats.wait_ms; -1: none answered yet): a stream that joins a
-    # saturated server knows at once that a draft waited for comes too late (spec_decode/depth.py, `server_ms`)
+    # saturated server knows at once that a draft waited for comes too late (spec_decode/depth.py, Source.server_ms)
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -172,7 +172,7 @@ class RemoteDrafter:
         self.asynchronous = not shares_cores(self.client.address, torch.get_num_threads())
         # A server on this host drafts on the cores its targets verify on, whatever the threads: what
         # it spends on a stream's draft is that stream's cost even where nobody waits for the draft
-        # (spec_decode/depth.py, `cohosted`). A local star on a small machine runs more threads than cores.
+        # (spec_decode/depth.py, Source.cohosted). A local star on a small machine runs more threads than cores.
         self.cohosted = server_on_this_host(self.client.address) if self._cohosted is None else self._cohosted
 
     def _move(self, why: str, to: str | None = None) -> None:

@@ -118,7 +118,7 @@ class DraftServer:
                 self.stats.level((time.perf_counter() - start) * 1e3, tree.depth(), 1)
         # then two prompts of a warm model, a short and a long one, each drafted one level: what the long
         # one took more, per token more, is what each token of a new stream's prompt costs (a co-hosted
-        # target weighs its first draft with it: spec_decode/depth.py, `unsent`); the long one's time per token
+        # target weighs its first draft with it: spec_decode/depth.py, Source.unsent); the long one's time per token
         # where a tiny model's noise hides the difference
         short, long = (self._first_draft_ms(n) for n in (self.WARM_PROMPT // 8, self.WARM_PROMPT))
         extra = (long - short) / (self.WARM_PROMPT - self.WARM_PROMPT // 8)

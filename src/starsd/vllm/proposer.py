@@ -26,7 +26,7 @@ import numpy as np
 
 from starsd.config import DraftConfig, ProposerSettings, SamplingConfig
 from starsd.models.loading import vocab_fingerprint
-from starsd.spec_decode.depth import DepthPolicy
+from starsd.spec_decode.depth import Decision, DepthPolicy, Source
 from starsd.spec_decode.tree import DraftTree
 from starsd.star.client import DraftClient, for_target
 from starsd.star.hosts import server_on_this_host
@@ -55,9 +55,11 @@ class Stream:
     asked: int = 0  # the depth of the draft it gave vLLM at its last step (0: none)
     asked_for: int | None = None  # the depth it waited for then (None: a draft asked earlier, or none)
     given: bool = False  # it gave vLLM its row's draft (or none) at the last call: the next tells the outcome
-    cfg: DraftConfig | None = None  # this step's draft: its chain stops where the policy's costs say (spec_decode/depth.py, stop)
+    cfg: DraftConfig | None = None  # this step's draft: its chain stops where its costs say (spec_decode/depth.py)
     draft_ms: float | None = None  # that wait
     ingests: bool = False  # this step's request carries the whole prefix (a reset): its wait is no draft's cost
+    holds: bool = False  # the server holds its request: a draft of it was asked
+    source: Source = field(default_factory=Source)  # where its drafts came from at its last step (its policy's input)
 
 
 @dataclass
@@ -156,7 +158,7 @@ class Proposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         waits = {}
         # A co-hosted server's sessions of targets on its host are each a target its compute slows
-        # (spec_decode/depth.py, `neighbours`), but not this engine's own rows: they wait for their drafts
+        # (spec_decode/depth.py, Source.neighbours), but not this engine's own rows: they wait for their drafts
         # together, and each row's wait holds the batch's compute already. Counted as neighbours, they
         # made a draft of vLLM's 3 rows look three times its cost.
         self.on_server = collections.Counter(st.drafter.client.address for st in self.streams)
@@ -219,6 +221,7 @@ class Proposer:
                 stream.asked = 0
                 stream.asked_for = None
                 stream.given = False
+                stream.holds = False
                 busy.add(id(stream))
                 taken[c.row] = stream
         for stream in self.streams:
@@ -255,14 +258,15 @@ class Proposer:
         policy, drafter, seq = stream.policy, stream.drafter, stream.seq
         new = tokens[len(seq.tokens):]
         stream.held = tokens
-        policy.unsent = len(new) if policy.holds else len(tokens)
-        policy.server_ms = drafter.server_ms
-        policy.neighbours = max(0, drafter.neighbours - (self.on_server[drafter.client.address] - 1))
-        policy.cohosted = drafter.cohosted
-        policy.inline = not drafter.asynchronous
+        stream.source = Source(inline=not drafter.asynchronous, cohosted=drafter.cohosted,
+                               neighbours=max(0, drafter.neighbours - (self.on_server[drafter.client.address] - 1)),
+                               server_ms=drafter.server_ms, lateness=drafter.lateness, holds=stream.holds,
+                               unsent=len(new) if stream.holds else len(tokens))
         limit = min(self.k, left)
-        depth = (policy.choose(left) if self.settings.adaptive else limit) if limit > 0 else 0
-        ahead = policy.ahead(left, drafter.lateness, drafter.server_ms) if not depth and drafter.asynchronous else 0
+        decision = Decision() if limit <= 0 else (policy.choose(left, stream.source) if self.settings.adaptive
+                                                  else Decision(limit))
+        depth = decision.depth
+        ahead = decision.ahead
         stream.asked = 0
         stream.asked_for = None
         stream.draft_ms = None
@@ -272,15 +276,15 @@ class Proposer:
             seq.tokens.extend(new)
             drafter.keep_up(seq)
             return [], None
-        stream.cfg = replace(self.cfg, min_path_prob=policy.stop()) if self.settings.adaptive else self.cfg
+        stream.cfg = replace(self.cfg, min_path_prob=decision.stop) if self.settings.adaptive else self.cfg
         stream.ingests = seq.sent == 0 and not seq.pending
         tree = drafter.propose(seq, new, stream.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0, more=more)
-        policy.holds = True
+        stream.holds = True
         if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
             return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
         if not depth:
             return [], None
-        return [], policy.deadline_ms(depth) if self.settings.adaptive else self.settings.timeout_s * 1e3
+        return [], decision.deadline_ms if self.settings.adaptive else self.settings.timeout_s * 1e3
 
     def _wait(self, stream: Stream, deadline_ms: float, started: float) -> list[int]:
         """The reply to this step's request, waited for until its deadline (counted from the step's start)."""
