@@ -47,12 +47,15 @@ def test_the_vllm_name_is_vllm_cpus_pinned_version():
 
 
 class Shell:
-    """One line of the block, run by bash in a process group of its own (vLLM's server has children)."""
+    """One line of the block, run by bash in a process group of its own (vLLM's server has children).
+    Its stderr goes to `log`, and its stdout too unless `piped` (to be read: a pipe nobody reads would
+    stop a chatty server once its buffer fills)."""
 
-    def __init__(self, line: str, cwd: Path, env: dict[str, str], log: Path):
+    def __init__(self, line: str, cwd: Path, env: dict[str, str], log: Path, piped: bool = False):
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE if piped else self.log, stderr=self.log, text=True,
+                                     start_new_session=True)
 
     def close(self) -> None:
         stop_group(self.proc)
@@ -123,7 +126,7 @@ def test_the_readme_vllm_block_as_written(models, python, tmp_path):  # noqa: F8
     assert made.returncode == 0, made.stderr
     server_line = server_line.replace("tcp://0.0.0.0:5555", f"tcp://127.0.0.1:{port}")
     server = Shell(f"{server_line} --draft {draft} --dtype float32 --draft-quantize none --threads 1", tmp_path,
-                   starsd_env, tmp_path / "draft-server.log")
+                   starsd_env, tmp_path / "draft-server.log", piped=True)
     env = vllm_env(python)
     alone_line = f"{export_line} && vllm serve {target}"
     star_line = f"{export_line} && " + vllm_line.replace("DRAFT_HOST:5555", f"127.0.0.1:{port}").replace("MODEL",
