@@ -47,6 +47,8 @@ class Source:
 
 @dataclass(frozen=True)
 class Decision:
+    """One step's decision (decide), and what the look schedule must note of it."""
+
     depth: int = 0  # wait for a draft this deep (0: decode alone)
     deadline_ms: float = 0.0  # and at most this long
     ahead: int = 0  # ask a draft this deep without waiting for it (0: none)
@@ -194,7 +196,10 @@ def decide(s: Situation) -> Decision:
             best, look = 0, "alone"  # decoding alone, to compare with: measured little, or long ago
         elif not src.stops:  # the widths beside: one pass slowed once must not rule a width out
             best, look = (best - 1, min(limit, best + 1))[s.turn], "beside"
-    ahead, late, behind, wait = 0, "", None, src.server_ms  # asked without waiting: `behind` tokens late
+    ahead = 0  # a draft asked without waiting
+    late = ""
+    behind = None  # the tokens the stream commits before such a draft can be used (None: none is asked)
+    wait = src.server_ms  # the server's own time on it
     if s.before_prefill and not src.inline:  # a prompt's first draft: the prefill's time to come, and the
         if not (src.cohosted and not s.deepest(s.rate)):  # prompt to ingest on a co-hosted server's cores
             behind = src.lateness - s.prefill_ms / max(s.verify_ms(1), 1e-6)
