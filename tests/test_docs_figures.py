@@ -77,6 +77,7 @@ def first_screen_figures() -> dict[str, str]:
     """What the README's first screen quotes, as computed from its committed files."""
     demo = figure("demo-epyc-avx2.json")
     steps = sum(r["target_steps"] for r in demo["requests"])
+    amx = figure("demo-xeon-amx.json")
     split = figure("vllm-split.json")["figures"]
     two = figure("vllm-split-x2.json")["figures"]
     serve = [x for f in ("vllm-serve-bf16.json", "vllm-serve-fp32.json")
@@ -85,6 +86,8 @@ def first_screen_figures() -> dict[str, str]:
         "demo requests": f"served {len(demo['requests'])} requests at once",
         "demo ratio": f"at {demo['system']['tokens_per_s'] / demo['system']['target_only_tokens_per_s']:.2f}x of",
         "demo drafted": f"drafting {sum(r['drafts'] for r in demo['requests'])} of {steps} steps",
+        "demo on AMX": f"at {amx['system']['tokens_per_s'] / amx['system']['target_only_tokens_per_s']:.2f}x, drafting "
+                       f"{sum(r['drafts'] for r in amx['requests'])} of {sum(r['target_steps'] for r in amx['requests'])}",
         "one instance": f"{split['star-real@0']['tokens_per_s'] / split['vllm-draft-4@0']['tokens_per_s']:.2f}x",
         "two instances": f"{two['star-real-x2@0']['tokens_per_s'] / two['vllm-draft-4-x2@0']['tokens_per_s']:.2f}x",
         "vllm serve": f"{min(serve):.2f}-{max(serve):.2f}x of `vllm serve` alone in {len(serve)} runs",
