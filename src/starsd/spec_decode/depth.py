@@ -53,9 +53,9 @@ class Decision:
     deadline_ms: float = 0.0  # and at most this long
     ahead: int = 0  # ask a draft this deep without waiting for it (0: none)
     stop: float = 0.0  # the chain's min_path_prob, for a chain that stops where one more level no longer pays
-    drafts: bool = False  # drafting pays this step by the stream's means (a look aside)
+    drafts: bool = False  # drafting pays this step by the stream's means, before any look
     look: str = ""  # the look beside the choice made this step: "", "none", "drafting", "probe", "alone", "beside"
-    late: str = ""  # a draft asked ahead of a server too slow for it: "held", "probe", or "timely" (it is not)
+    late: str = ""  # asked ahead: "held" (the server is too slow: none), "probe" (one all the same), "timely"
 
 
 @dataclass(frozen=True)
