@@ -13,9 +13,8 @@ co-hosted server's compute charged to the other targets on its cores. A draft pa
     deadline(d) = (1 + accepted(d)) * verify_ms(1) - verify_ms(levels(d) + 1)
 
 `decide` is the rule, a pure function of a Situation: what the stream measured (estimates.py), where
-its drafts come from (Source), and the look schedule's turn. DepthPolicy learns (observe, missed,
-prefill) and keeps the schedule. The cases, with the runs behind each:
-docs/scheduler.md#the-depth-decision-as-one-rule.
+its drafts come from (Source), the look schedule's turn. DepthPolicy learns and keeps the schedule.
+The cases, with the runs behind each: docs/scheduler.md#the-depth-decision-as-one-rule.
 """
 
 from __future__ import annotations
@@ -99,9 +98,12 @@ class Situation:
         return levels, accepted
 
     @cached_property
-    def means(self) -> tuple[list[float], list[float], list[float]]:
-        """The posterior means of acceptance, reach and onward, by position (read once a step)."""
+    def means(self) -> tuple[list[float], list[float], list[float]]:  # acceptance, reach, onward, by position
         return self.acceptance.rates(), self.reach.rates(), self.onward.rates()
+
+    @cached_property
+    def by_means(self) -> list[float]:  # rate(d) by the means, d = 0..max_depth: several rules weigh it
+        return [self.rate(d) for d in range(self.max_depth + 1)]
 
     def rate(self, d: int, rates=None) -> float:
         """Expected tokens per millisecond of a draft asked d deep and waited for."""
@@ -134,8 +136,7 @@ class Situation:
         return max(range(max(0, min(limit, self.max_depth)) + 1), key=value)
 
     def could_pay(self, d: int, wait_ms: float = 0.0) -> bool:
-        """Whether a draft d deep could beat decoding alone with every token accepted and no wait but
-        `wait_ms`: only its compute where that is taken from this host (co-hosted, or inline)."""
+        """Whether a draft d deep could beat decoding alone, all accepted, waiting `wait_ms` (and its compute here)."""
         src = self.source
         compute = self.share_ms(d) + self.taken(d) if src.cohosted else self.draft_ms(d) if src.inline else 0.0
         return (1.0 + d) / max(compute + wait_ms + self.verify_ms(d + 1), 1e-6) > self.rate(0)
@@ -153,17 +154,15 @@ class Situation:
         return tokens / self.rate(0) - tokens / self.rate(d) > cost
 
     def stop(self) -> float:
-        """The path probability below which this step's chain stops deepening: one more level pays while
-        the chance that all its tokens are accepted beats its cost (a drafted level's wait and compute,
-        one more verified token: the slopes of their costs) in tokens at the stream's best rate."""
+        """The path probability below which this step's chain stops: one more level pays while its chance
+        of being accepted beats its cost (the slopes of the costs) in tokens at the stream's best rate."""
         more = self.draft_ms.slope() + self.verify_ms.slope() + (
             self.source.neighbours * self.share_ms.slope() if self.source.cohosted else 0.0)
-        best = max(self.rate(d) for d in range(self.max_depth + 1))
+        best = max(self.by_means)
         return min(MAX_STOP, max(0.0, more * best))
 
     def deadline_ms(self, d: int) -> float:
-        """How long a draft d deep may take and still beat decoding alone; never less than one pass alone
-        nor than twice what it is expected to take (a look's try must measure a round trip)."""
+        """How long a draft d deep may take and still beat decoding alone (at least a pass, twice its own)."""
         levels, accepted = self.expect(d)
         gain = (1.0 + accepted) * self.verify_ms(1) - self.verify_ms(levels + 1)
         return max(gain, self.verify_ms(1), 2.0 * self.draft_ms(d), 1.0)
@@ -173,8 +172,9 @@ def decide(s: Situation) -> Decision:
     """The rule: whether to draft, how deep, how long to wait, what to ask ahead."""
     src = s.source
     limit = max(0, min(s.limit, s.max_depth))
+    pays = s.deepest(s.by_means.__getitem__)  # the best depth by the means (0: decoding alone)
     best = 0
-    if not s.paused and s.deepest(s.rate):  # whether to draft: on the means, never gambled on
+    if not s.paused and pays:  # whether to draft: on the means, never gambled on
         # how deep: as deep as the chain's own stop lets it run, else by one draw of each position
         best = limit if src.stops else max(range(1, limit + 1), key=lambda d: s.rate(d, s.drawn))
         if (s.second or src.inline) and not s.verify_ms.measured(1):
@@ -186,7 +186,7 @@ def decide(s: Situation) -> Decision:
     if not s.paused and limit > 0 and (s.due if drafts else s.due_alone):  # a look beside the choice
         look = "none"
         if not drafts:  # at the best draft, where it could pay and the drafter need not ingest for it
-            d = max(range(1, limit + 1), key=s.rate)
+            d = max(range(1, limit + 1), key=s.by_means.__getitem__)
             if s.could_pay(d) and (src.holds or not src.cohosted) and s.catch_up_pays(d):
                 if src.inline or s.could_pay(d, src.server_ms):
                     best, look = d, "drafting"
@@ -201,7 +201,7 @@ def decide(s: Situation) -> Decision:
     behind = None  # the tokens the stream commits before such a draft can be used (None: none is asked)
     wait = src.server_ms  # the server's own time on it
     if s.before_prefill and not src.inline:  # a prompt's first draft: the prefill's time to come, and the
-        if not (src.cohosted and not s.deepest(s.rate)):  # prompt to ingest on a co-hosted server's cores
+        if not (src.cohosted and not pays):  # prompt to ingest on a co-hosted server's cores
             behind = src.lateness - s.prefill_ms / max(s.verify_ms(1), 1e-6)
             wait -= s.prefill_ms
     elif not best and not src.inline:
