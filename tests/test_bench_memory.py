@@ -5,7 +5,8 @@ import struct
 
 import pytest
 
-from starsd.bench.memory import GIB, Fit, fit, parse_status, safetensors_params
+from starsd.bench.memory import GIB, Fit, fit, safetensors_params
+from starsd.bench.rss import parse_status
 
 
 def test_colocated_pairs_and_remote_targets_that_fit():

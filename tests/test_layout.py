@@ -50,7 +50,7 @@ def modules() -> dict[str, Path]:
     return {"starsd." + ".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-SHARED_BY_BENCHMARKS = {"harness", "metrics", "profiles", "recorded", "vllm_runs"}  # bench/'s helpers, no command
+SHARED_BY_BENCHMARKS = {"harness", "metrics", "profiles", "recorded", "rss", "vllm_runs"}  # bench/'s helpers, no command
 
 
 def test_no_benchmark_imports_another():

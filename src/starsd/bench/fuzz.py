@@ -39,13 +39,13 @@ import zmq
 
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import Drafter
+from starsd.models.tiny import VOCAB, tiny_model
 from starsd.results import bar_panels, summary, write_json
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer
 
-VOCAB = 128
 FINGERPRINT = "fuzz" * 16
 MAX_CONTEXT = 512  # the live server's: context_full is cheap to reach
 GREEDY = SamplingConfig()
@@ -378,13 +378,7 @@ def fuzz_decode(n: int, rng: random.Random) -> Tally:
 # --------------------------------------------------------------------------------- live server
 def tiny_drafter(seed: int = 1, vocab: int = VOCAB) -> Drafter:
     """A random-weight two-layer Qwen2 (hidden 64), fp32: a draft model built in a second."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, initializer_range=0.3, eos_token_id=0, bos_token_id=0)
-    torch.manual_seed(seed)
-    return Drafter(Qwen2ForCausalLM(config).eval())
+    return Drafter(tiny_model(seed, vocab=vocab))
 
 
 @dataclass

@@ -25,12 +25,12 @@ import json
 import dataclasses
 import math
 import struct
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from starsd import config as C
+from starsd.bench.rss import Watch, read_status
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_plot, write_json
 from starsd.star.launch import start_server, target_command
@@ -70,18 +70,6 @@ def fit(budget: int, colocated: int, remote_target: int, draft_server: int) -> F
     return Fit(colocated=budget // colocated, remote=max(0, budget - draft_server) // remote_target)
 
 
-def parse_status(text: str) -> dict[str, int]:
-    """The memory lines of /proc/PID/status, in bytes: {"VmRSS": ..., "VmHWM": ...}. A zombie has none."""
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            number, unit = value.split()
-            assert unit == "kB", line
-            out[key] = int(number) * 1024
-    return out
-
-
 def safetensors_params(path: Path) -> dict[str, int]:
     """Parameters and their bytes as stored in a model's *.safetensors files, read from the headers
     alone (an untied LM head is a tensor of its own and counts)."""
@@ -98,48 +86,6 @@ def safetensors_params(path: Path) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------- processes
-def read_status(pid: int) -> dict[str, int]:
-    try:
-        return parse_status(Path(f"/proc/{pid}/status").read_text())
-    except (FileNotFoundError, ProcessLookupError):
-        return {}
-
-
-@dataclass
-class Watch:
-    """Samples a process's VmRSS and VmHWM every `every` seconds on a thread, until it exits."""
-
-    pid: int
-    every: float
-    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (monotonic s, VmRSS, VmHWM)
-
-    def __post_init__(self):
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            status = read_status(self.pid)
-            if not status:  # gone, or a zombie: its memory is released
-                return
-            self.samples.append((time.monotonic(), status["VmRSS"], status["VmHWM"]))
-            self._stop.wait(self.every)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def peak(self) -> int:
-        return max(s[2] for s in self.samples)
-
-    def resident_before(self, t: float, window_s: float = 1.0) -> int:
-        """The largest VmRSS sampled in the window_s seconds before t (while the models are held)."""
-        recent = [s[1] for s in self.samples if t - window_s <= s[0] < t]
-        return max(recent) if recent else self.samples[-1][1]
-
-
 def measure(argv: list[str], sample_s: float) -> dict:
     """Run `starsd ARGV` (it prints one JSON result line) to its end, watching its memory."""
     proc = spawn(argv)
