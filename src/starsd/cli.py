@@ -539,6 +539,8 @@ BENCHES = {  # name: (help, module with add_args and main)
     "memory": ("peak RSS of co-located vs remote-draft targets; instances that fit a budget", "starsd.bench.memory"),
     "fuzz": ("bad inputs to protocol.decode and to a live draft server; honest sessions unchanged", "starsd.bench.fuzz"),
     "soak": ("many replay targets for a long run with faults injected; losses, errors, RSS", "starsd.bench.soak"),
+    "sessions": ("one draft server, many sessions: a bounded draft KV budget under churn, streams sharing a "
+                 "prefix, and many sessions held at once", "starsd.bench.sessions"),
 }
 
 

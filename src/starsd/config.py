@@ -264,7 +264,9 @@ class ServerConfig:
     """A draft server: where it listens and what it holds at most."""
 
     bind: str = setting("tcp://127.0.0.1:5555", "ZeroMQ address to bind the ROUTER socket to")
-    max_sessions: int = setting(64, "sessions held at once; a hello beyond it is refused")
+    max_sessions: int = setting(0, "sessions held at once, a hello beyond it refused; 0: as many as the draft KV "
+                                "budget holds at 64 tokens each (an idle session's draft KV is freed for another's, "
+                                "and its next request ingests its tokens again)")
     session_timeout_s: float = setting(120.0, "free a session whose target has been silent this many seconds")
     serial: bool = setting(False, "draft one request at a time (the reference behaviour, a baseline) instead of batching")
     max_batch: int = setting(32, "sessions drafted together in one batch at most")
@@ -275,7 +277,13 @@ class ServerConfig:
     queue_limit: int = setting(4096, "requests waiting in Q_in at most; beyond it requests are refused as busy")
     max_context: int = setting(32768, "tokens one session may hold (prompt + generated); beyond it drafts are refused")
     kv_budget_gib: float = setting(8.0, "draft KV cache all sessions may hold together (GiB), counted from the draft "
-                                   "model's shape; a request that would exceed it is refused as kv_full")
+                                   "model's shape; past it the least recently served idle sessions are evicted; refused (kv_full) only "
+                                   "where one session's context does not fit")
+    share_prefixes: bool = setting(True, "a new stream whose prompt begins with tokens whose draft KV the server "
+                                   "holds (another stream's, or one that ended in the last prefix_keep_s) starts from "
+                                   "a copy of it instead of ingesting them")
+    prefix_keep_s: float = setting(60.0, "how long a stream's draft KV is kept for others' prefixes after its "
+                                   "session leaves it (within the KV budget; the first to go when it is short)")
     predraft: bool = setting(True, "while no request waits, draft each idle chain session's likeliest next request "
                              "(last draft accepted whole, the draft's own bonus guess) and answer it at once on a hit")
     predraft_cohosted: bool = setting(False, "pre-draft also while a target on this host is connected (by "
@@ -291,13 +299,17 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 <= self.metrics_port <= 65535:
             raise SettingError(f"metrics_port must be a TCP port (0: off), not {self.metrics_port}")
-        for name in ("max_sessions", "max_batch", "max_context", "batch_tokens"):
+        if self.max_sessions < 0:
+            raise SettingError(f"max_sessions must be >= 0 (0: from the KV budget), not {self.max_sessions}")
+        for name in ("max_batch", "max_context", "batch_tokens"):
             if getattr(self, name) < 1:
                 raise SettingError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not (math.isfinite(self.kv_budget_gib) and self.kv_budget_gib > 0):
             raise SettingError(f"kv_budget_gib must be > 0, not {self.kv_budget_gib}")
         if self.queue_limit < 0:
             raise SettingError(f"queue_limit must be >= 0, not {self.queue_limit}")
+        if not (math.isfinite(self.prefix_keep_s) and self.prefix_keep_s >= 0):
+            raise SettingError(f"prefix_keep_s must be >= 0, not {self.prefix_keep_s}")
         if not (math.isfinite(self.session_timeout_s) and self.session_timeout_s > 0):
             raise SettingError(f"session_timeout_s must be > 0, not {self.session_timeout_s}")
 

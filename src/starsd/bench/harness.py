@@ -73,11 +73,10 @@ def numbers(text: str) -> list[int]:
 
 
 def server_config(args, serial: bool, predraft: bool = False) -> C.ServerConfig:
-    """The draft server of a benchmark point: pre-drafting only where a mode asks for it, and room
-    for a session per target at the largest N."""
-    sessions = max(C.ServerConfig.max_sessions, *numbers(args.targets))
-    return C.ServerConfig(serial=serial, max_batch=args.max_batch, predraft=predraft, max_sessions=sessions,
-                          predraft_cohosted=True)  # replay targets stand for other hosts: they compute nothing here
+    """The draft server of a benchmark point: pre-drafting only where a mode asks for it, and no
+    shared prefixes (replay targets cycle a few prompts: repeats that no fleet's prompts make)."""
+    return C.ServerConfig(serial=serial, max_batch=args.max_batch, predraft=predraft, predraft_cohosted=True,
+                          share_prefixes=False)  # replay targets stand for other hosts: they compute nothing here
 
 
 @dataclasses.dataclass

@@ -100,7 +100,7 @@ class KV(Cache):
         one layer's worth of extra memory at a time."""
         if capacity <= self.capacity:
             return
-        new = max(capacity, self.capacity + max(self.capacity // 4, GROWTH_MIN))
+        new = grown(self.capacity, capacity)
         for slab in self.layers:
             slab.keys, slab.values = _resized(slab.keys, slab.length, new), _resized(slab.values, slab.length, new)
 
@@ -132,6 +132,11 @@ class KV(Cache):
             idx = rows.to(slab.keys.device)
             slab.keys = slab.keys.index_select(0, idx)
             slab.values = slab.values.index_select(0, idx)
+
+
+def grown(capacity: int, needed: int) -> int:
+    """The columns a KV of `capacity` columns holds once it has room for `needed` (KV.reserve)."""
+    return capacity if needed <= capacity else max(needed, capacity + max(capacity // 4, GROWTH_MIN))
 
 
 def _head_dim(config) -> int:

@@ -98,6 +98,14 @@ class DraftServerCollector:
                                 value=stats.get("queue_depth", 0))
         yield GaugeMetricFamily("starsd:draft_server_sessions_open", "target sessions held",
                                 value=stats["sessions_open"])
+        yield CounterMetricFamily("starsd:draft_server_sessions_evicted", "sessions whose draft KV was freed for "
+                                  "another's (their next request ingests their tokens again)",
+                                  value=stats.get("sessions_evicted", 0))
+        yield CounterMetricFamily("starsd:draft_server_prefix_tokens", "prompt tokens not ingested: new streams "
+                                  "started from a prefix another's draft KV held",
+                                  value=stats.get("prefix", {}).get("tokens", 0))
+        yield GaugeMetricFamily("starsd:draft_server_kv_bytes", "draft KV held by the sessions and their pre-drafts",
+                                value=stats.get("kv_bytes", 0))
         yield CounterMetricFamily("starsd:draft_server_requests", "draft requests taken", value=stats["requests"])
         errors = CounterMetricFamily("starsd:draft_server_errors", "refusals and errors by code", labels=["code"])
         for code, n in sorted(stats["errors"].items()):
@@ -117,9 +125,11 @@ def combined(snapshots: list[dict]) -> dict:
     for s in snapshots:
         errors.update(s["errors"])
         sizes.update({int(k): v for k, v in s["batch_sizes"].items()})
-    total = {key: sum(s.get(key, 0) for s in snapshots) for key in ("busy_s", "queue_depth", "sessions_open", "requests")}
+    total = {key: sum(s.get(key, 0) for s in snapshots)
+             for key in ("busy_s", "queue_depth", "sessions_open", "requests", "sessions_evicted", "kv_bytes")}
     return {**total, "utilization": sum(s["utilization"] for s in snapshots) / len(snapshots), "errors": dict(errors),
-            "predraft": {"hits": sum(s["predraft"]["hits"] for s in snapshots)}, "batch_sizes": dict(sizes)}
+            "predraft": {"hits": sum(s["predraft"]["hits"] for s in snapshots)}, "batch_sizes": dict(sizes),
+            "prefix": {"tokens": sum(s.get("prefix", {}).get("tokens", 0) for s in snapshots)}}
 
 
 class TargetCollector:

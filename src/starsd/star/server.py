@@ -33,7 +33,7 @@ from starsd.models.drafter import DraftJob, Drafter
 from starsd.spec_decode.tree import DraftTree
 from starsd.star import ahead
 from starsd.star import protocol as P
-from starsd.star.sessions import Refused, Session, Sessions
+from starsd.star.sessions import Refused, Session, Sessions, Wait
 from starsd.star.stats import ServerStats
 from starsd.star.transport import Outbox, Request, Transport
 
@@ -54,6 +54,7 @@ class DraftServer:
         self.name = name
         self.stats = ServerStats()
         self.sessions = Sessions(cfg, drafter, fingerprint, vocab_size, self.stats)
+        self.stats.kv_budget_bytes = self.sessions.kv_budget
         self.q_in: queue.Queue[Request] = queue.Queue()
         self.transport = Transport(cfg, self.q_in, self.stats, self.sessions.heartbeat, self._stats_json,
                                    lambda: (len(self.sessions), self.sessions.local()))
@@ -188,7 +189,11 @@ class DraftServer:
             if isinstance(req.msg, P.DraftRequest) and req.msg.tag in waiting:
                 self._deferred.append(req)
                 continue
-            s = self._take(req)
+            try:
+                s = self._take(req, frozenset(waiting))
+            except Wait:  # the batch being formed holds the room it needs: after that batch
+                self._deferred.append(req)
+                continue
             if s is None:
                 continue
             self._join(s, req)
@@ -251,14 +256,17 @@ class DraftServer:
         return batch
 
     def _reap(self) -> None:
-        """Free the sessions of silent targets, at most once a second (four times per timeout where
+        """Free the sessions of silent targets and count the draft KV held, at most once a second (four times per timeout where
         that is shorter, so that a session outlives its timeout by a quarter of it at most)."""
         if time.monotonic() - self._reaped_at > min(1.0, self.cfg.session_timeout_s / 4):
             self.sessions.reap()
+            self.stats.kv_bytes = self.sessions.held_bytes()  # an int: one write
             self._reaped_at = time.monotonic()
 
-    def _take(self, req: Request) -> Session | None:
-        """Handle one message; return its session when it is a draft request to serve."""
+    def _take(self, req: Request, busy: frozenset[int] = frozenset()) -> Session | None:
+        """Handle one message; return its session when it is a draft request to serve. `busy`: the
+        sessions whose requests wait to be drafted (their draft state is not evicted for another's).
+        Raises Wait for a request that needs room they hold: it is taken after their batch."""
         msg = req.msg
         try:
             if isinstance(msg, P.Hello):
@@ -269,11 +277,16 @@ class DraftServer:
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:
+                s = self.sessions.admit(req.peer, req.user, msg, req.tensors, busy)
                 self.stats.count("requests")
-                return self.sessions.admit(req.peer, req.user, msg, req.tensors)
+                return s
+        except Wait:
+            raise
         except Refused as r:
+            self.stats.count("requests", isinstance(msg, P.DraftRequest))
             self._refuse(req, r.code, str(r))
         except Exception as e:  # a request that breaks its handling costs only itself
+            self.stats.count("requests", isinstance(msg, P.DraftRequest))
             log.exception("request failed")
             self._refuse(req, "internal", str(e)[:200])
         return None
@@ -326,6 +339,7 @@ class DraftServer:
         the first request that arrives."""
         if not todo:
             return
+        self.sessions.free_room(sum(s.seq.kv.capacity for s, _ in todo) * self.sessions.column_bytes)
         start = time.perf_counter()
         try:
             if ahead.predraft(self.drafter, todo, stop=lambda: not self.q_in.empty() or self.stopping.is_set()):
@@ -349,6 +363,9 @@ class DraftServer:
 
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()
+        fresh = [s for s, _ in items if s.seq.cached == 0]  # new streams, and those back from eviction
+        for s in fresh:
+            self.sessions.share_prefix(s)
         ingest = [_to_ingest(s, r) for s, r in items]
         jobs = [DraftJob(s.seq, [] if r.msg.reset else s.carry + r.tensors[0].tolist(), _shape(s.draft, r.msg.stop),
                          s.sampling, s.generator, max_depth=r.msg.budget - 1, features=self._features(r))
@@ -370,6 +387,8 @@ class DraftServer:
             s.last_second = job.second[:len(s.last_chain)]
             s.budget = r.msg.budget
             self._reply(s, r, tree, start, end, len(items))
+        for s in fresh:
+            self.sessions.drafted(s)
 
     def _features(self, req: Request) -> torch.Tensor | None:
         """An EAGLE head's input from a request: its tokens' target features (a reset's from its

@@ -25,6 +25,12 @@ class ServerStats:
         self.replies = 0
         self.sessions_opened = 0
         self.sessions_freed = 0
+        self.sessions_evicted = 0  # sessions whose draft KV was freed for another's (star/sessions.py)
+        self.sessions_restored = 0  # evicted sessions whose next request ingested their tokens again
+        self.prefix_hits = 0  # new streams started from a prefix another's draft KV held (star/prefixes.py)
+        self.prefix_tokens = 0  # the tokens those streams did not ingest
+        self.kv_bytes = 0  # draft KV the sessions and their pre-drafts hold, as last counted (about once a second)
+        self.kv_budget_bytes = 0
         self.busy_s = 0.0
         self.hops = 0
         self.hop_s = 0.0
@@ -45,8 +51,8 @@ class ServerStats:
         self._ingest_ms = 0.0  # ms to ingest one token of a new stream, as the warm-up measured (0: not yet)
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add n to a plain counter: requests, replies, sessions_opened, sessions_freed, predrafts and
-        predraft_hits, _misses, _yields."""
+        """Add n to a plain counter: requests, replies, sessions_opened, _freed, _evicted, _restored,
+        prefix_hits, _tokens, predrafts and predraft_hits, _misses, _yields."""
         with self.lock:
             setattr(self, name, getattr(self, name) + n)
 
@@ -131,11 +137,14 @@ class ServerStats:
                 "requests": self.requests, "replies": self.replies, "errors": dict(self.errors),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "queue_depth": queue_depth, "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
-                "sessions_freed": self.sessions_freed, "timeline": list(self.timeline),
+                "sessions_freed": self.sessions_freed, "sessions_evicted": self.sessions_evicted,
+                "sessions_restored": self.sessions_restored, "kv_bytes": self.kv_bytes,
+                "kv_budget_bytes": self.kv_budget_bytes, "timeline": list(self.timeline),
                 "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0, "work": dict(self.work),
                 "predraft": {"outcomes": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,
                              "yields": self.predraft_yields, "seconds": self.predraft_s},
                 "predraft_timeline": list(self.predraft_timeline),
+                "prefix": {"hits": self.prefix_hits, "tokens": self.prefix_tokens},
             }
 
 
