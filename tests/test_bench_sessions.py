@@ -12,7 +12,7 @@ def test_bench_sessions_churns_shares_and_holds(tmp_path):
     target, draft = tiny.save_pair(tmp_path)
     out = tmp_path / "sessions.json"
     code = cli.main(["bench", "sessions", "--churn-total", "40", "--churn-live", "10", "--churn-room", "20",
-                     "--churn-duration-s", "0", "--prefix-sessions", "3", "--prefix-tokens", "200", "--held", "12",
+                     "--churn-duration-s", "0", "--churn-step-s", "0.01", "--prefix-sessions", "3", "--prefix-tokens", "200", "--held", "12",
                      "--target", target, "--draft", draft, "--dtype", "float32", "--draft-quantize", "none",
                      "--threads", "1", "--json-out", str(out)])
     result = json.loads(out.read_text())

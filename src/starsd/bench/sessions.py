@@ -4,8 +4,9 @@ that share a prefix (docs/scaling.md#a-draft-service-for-a-fleet).
 Three parts, each against a real `starsd draft-server` process over ZeroMQ:
   churn   the tiny pair (random weights, built here; fp32), a budget of --churn-room sessions at 64
           tokens each (what the server's default bound counts a session at). --churn-live targets
-          decode at once, each a prompt through a session of its own and then another, until
-          --churn-total sessions were opened, over --churn-duration-s at least. Every output is compared with the target's own
+          decode at once, each a prompt through a session of its own and then another, pausing
+          --churn-step-s after each step, until --churn-total sessions were opened, over
+          --churn-duration-s at least. Every output is compared with the target's own
           decoding; the hellos refused, the evictions and restorations, the draft KV the server
           counts (about once a second) and its RSS are recorded: above what it held before the first
           session (what a batch's passes take comes in too), and after a tenth of the sessions
@@ -48,6 +49,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn-live", type=int, default=50, help="targets decoding at once")
     p.add_argument("--churn-duration-s", type=float, default=600.0, help="the sessions' openings are spread "
                    "over this long at least (session i opens no sooner than i / total of it)")
+    p.add_argument("--churn-step-s", type=float, default=0.6, help="each target's pause after a step, as a real "
+                   "target's verify pass (its session idle on the server meanwhile)")
     p.add_argument("--churn-room", type=int, default=100, help="the draft KV budget, in sessions of 64 tokens")
     p.add_argument("--churn-tokens", type=int, default=48, help="tokens each churn target generates")
     p.add_argument("--prefix-sessions", type=int, default=16)
@@ -65,7 +68,7 @@ def churn(args) -> dict:
     from starsd.models.loading import logits_width, vocab_fingerprint
     from starsd.models.pair import Pair
     from starsd.models.tiny import save_pair
-    from starsd.spec_decode.decode import speculative, target_only
+    from starsd.spec_decode.decode import collect, speculative_steps, target_only
     from starsd.star.remote_drafter import RemoteDrafter
 
     root = Path(tempfile.mkdtemp(prefix="starsd-sessions-"))
@@ -102,7 +105,8 @@ def churn(args) -> dict:
                     tally["refused_hellos"] += 1
                     tally["failures"].append(f"hello {i}: {e}")
             try:
-                gen = speculative(target, RemoteDrafter(client), prompts[k], args.churn_tokens, CHAIN, GREEDY)
+                steps = speculative_steps(target, RemoteDrafter(client), prompts[k], args.churn_tokens, CHAIN, GREEDY)
+                gen = collect(paced(steps, args.churn_step_s))
             finally:
                 client.close()
             with lock:
@@ -120,7 +124,7 @@ def churn(args) -> dict:
     def monitor() -> None:
         while any(t.is_alive() for t in threads):
             stats = query_stats(star.address, timeout_s=5) or {}
-            held.append((tally["opened"], stats.get("kv_bytes", 0)))
+            held.append((tally["opened"], stats.get("kv_bytes", 0), stats.get("sessions_open", 0)))
             if not warm and tally["opened"] >= args.churn_total // 10:
                 warm.update(at=time.monotonic(), rss=read_status(star.servers[0].pid)["VmRSS"])
             time.sleep(1.0)
@@ -146,12 +150,20 @@ def churn(args) -> dict:
             "wall_s": wall, "budget_bytes": budget, "column_bytes": column,
             "rss_before_bytes": before, "rss_peak_bytes": peak, "rss_growth_bytes": peak - before,
             "rss_warm_bytes": warm.get("rss"), "rss_growth_after_warm_bytes": max(late) - warm["rss"] if warm else None,
-            "kv_bytes_max": max((b for _, b in held), default=0), "kv_bytes_samples": held,
+            "kv_bytes_max": max((b for _, b, _ in held), default=0), "kv_bytes_samples": held,
+            "sessions_open_mean": statistics.fmean(n for *_, n in held) if held else 0.0,
             "server": {k: stats.get(k) for k in ("sessions_opened", "sessions_freed", "sessions_evicted",
                                                  "sessions_restored", "kv_bytes", "kv_budget_bytes", "errors",
                                                  "requests", "replies", "prefix")},
             "live": args.churn_live, "total": args.churn_total, "room": args.churn_room,
             "tokens_per_target": args.churn_tokens}
+
+
+def paced(steps, pause_s: float):
+    """The steps of a stream, each followed by a pause (a target's verify pass, emulated)."""
+    for step in steps:
+        yield step
+        time.sleep(pause_s)
 
 
 # ------------------------------------------------------------------------------- the real pair
