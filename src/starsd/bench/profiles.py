@@ -31,13 +31,16 @@ def build_profile(points: list[dict], alone: list[metrics.Iteration], target_onl
     targets' share of the cores included); R and tau come from the single-pair point (`alone`)."""
     drafted = [it for it in alone if it.batch]
     pairs = [tuple(x) for p in points if p["mode"] in modes for x in p["batch_times"]]
+    # R: an iteration's time outside the server. An iteration can take less than its draft's queue
+    # and service time (a draft asked before the iteration began): no time outside, for the model
+    outside = [round(max(0.0, it.ms - it.queue_ms - it.service_ms), 3) for it in drafted]
     return sysmodel.Profile(
         service_ms=metrics.service_table(pairs),
-        return_ms=statistics.fmean(it.ms - it.queue_ms - it.service_ms for it in drafted),
+        return_ms=statistics.fmean(outside),
         tokens_per_iteration=statistics.fmean(it.tokens for it in drafted),
         target_only_ms_per_token=1e3 / target_only["per_target_tokens_per_s"],
         max_batch=max_batch,
-        return_samples_ms=tuple(round(it.ms - it.queue_ms - it.service_ms, 3) for it in drafted[:2000]),
+        return_samples_ms=tuple(outside[:2000]),
         tokens_samples=tuple(it.tokens for it in drafted[:2000]))
 
 
