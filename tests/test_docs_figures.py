@@ -2,42 +2,20 @@
 figures are the values in their files.
 
 A page names a run by its results file, `results/NAME.json`: the path the benchmark's command wrote
-(results/ is not kept), whose committed copy is docs/results/NAME.json. UNCOMMITTED lists the files
-that pages still cite from runs made before results were committed, which are to be measured again
-or their figures removed: the list may only shrink (a file cited anew must be committed, and a
-file committed or no longer cited must leave the list).
+(results/ is not kept), whose committed copy is docs/results/NAME.json. Every file a page names is
+committed; a paragraph or table that quotes a speed names one; the README's headline rows each link
+theirs, and the first screen's figures are computed here from theirs.
 """
 
 import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "DESIGN.md", *sorted((ROOT / "docs").glob("*.md"))]
 CITED = re.compile(r"(?<![\w/.-])(?:docs/)?results/([\w.-]+\.json)")
-
-UNCOMMITTED = {
-    "colocated-6-amx-carry.json", "colocated-6-amx-p05.json", "colocated-6-amx.json",
-    "colocated-6-epyc-auto.json", "colocated-6-epyc-deep-2.json", "colocated-6-epyc-deep.json",
-    "colocated-6-p015.json", "colocated-6.json", "colocated-6b.json", "colocated.json", "demo.json",
-    "depth-chat-star.json", "depth-chat.json", "depth-he-t07-before.json", "depth-llamacpp-chat2.json",
-    "depth-llamacpp-he.json", "depth-llamacpp-he3.json", "depth-replay-he.json", "depth-replay-humaneval.json",
-    "depth-tf-chat-epyc-auto-6.json", "depth-tf-chat-epyc-deep-6.json", "depth-tf-he-amx-2.json",
-    "depth-tf-he-amx.json", "depth-tf-he-epyc-auto-2.json", "depth-tf-he-epyc-auto-6.json",
-    "depth-tf-he-epyc-auto.json", "depth-tf-he-epyc-deep-6.json", "depth-tf-he.json",
-    "depth-trace-humaneval.json", "depth-trace-tf-chat.json", "depth-trace-tf-he.json", "distributed-4.json",
-    "distributed.json", "eagle-colocated.json", "fairness.json", "fuzz.json", "gateway.json",
-    "latency-verify-latency.json", "latency.json", "llamacpp-chat.json", "llamacpp-remote-depth3.json",
-    "llamacpp-remote.json", "memory.json", "multihost.json", "replay-check.json", "sampled-link.json",
-    "sampled-q.json", "scale-ahead.json", "scale-amx-1-verify-latency.json", "scale-amx-2.json",
-    "scale-amx-3.json", "scale-amx-4.json", "scale-amx-wait-1.json", "scale-depth-avx2.json",
-    "scale-n4-epyc.json", "scale-n8-epyc.json", "scale-nfull-epyc-verify-latency.json", "scale-nfull-epyc.json",
-    "scale-nfull.json", "scale.json", "serve-streams4-amx.json", "serve-streams4.json", "serve.json",
-    "servers-model.json", "servers-verify-latency.json", "service.json", "slow-server-epyc.json",
-    "slow-server.json", "soak.json", "soak2.json", "streams.json", "vllm-1row-stop.json", "vllm-1row.json",
-    "vllm-2.json", "vllm-3.json", "vllm-3p.json", "vllm-4.json", "vllm-5.json", "vllm-6.json", "vllm-7.json",
-    "vllm-9.json", "vllm-blocktime0.json", "vllm-fp32.json", "vllm-pre.json", "vllm.json",
-}
 
 
 def cited() -> dict[str, list[str]]:
@@ -51,12 +29,9 @@ def cited() -> dict[str, list[str]]:
 
 def test_every_results_file_a_page_cites_is_committed_beside_the_docs():
     committed = {p.name for p in (ROOT / "docs" / "results").glob("*.json")}
-    names = cited()
-    missing = {f"{name} (cited by {', '.join(sorted(set(pages)))})" for name, pages in names.items()
-               if name not in committed and name not in UNCOMMITTED}
+    missing = {f"{name} (cited by {', '.join(sorted(set(pages)))})" for name, pages in cited().items()
+               if name not in committed}
     assert not missing, "cited, not committed in docs/results/: " + "; ".join(sorted(missing))
-    stale = UNCOMMITTED & committed | UNCOMMITTED - set(names)
-    assert not stale, f"committed or no longer cited: take them out of UNCOMMITTED: {sorted(stale)}"
 
 
 def test_every_committed_results_file_says_what_made_it():
@@ -67,6 +42,64 @@ def test_every_committed_results_file_says_what_made_it():
         if not all(meta.get(key) for key in ("command", "commit", "cpu")):
             lacking.append(path.name)
     assert not lacking, f"no command, commit or CPU recorded: {lacking}"
+
+
+SPEED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x(?!\w)|\d+(?:\.\d+)?\s*tokens/s")
+
+
+def blocks(text: str) -> list[str]:
+    """A page's paragraphs and list blocks, each one string, and each table with the paragraph just
+    before it (its caption); code blocks and headings left out."""
+    groups: list[tuple[str, list[str]]] = []  # (kind, lines); kind: text, table, gap or wall
+    fenced = False
+    for line in text.splitlines():
+        fence = line.startswith("```")
+        fenced ^= fence
+        kind = ("wall" if fence or fenced or line.startswith("#") else "gap" if not line.strip()
+                else "table" if line.startswith("|") else "text")
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append(line)
+        else:
+            groups.append((kind, [line]))
+    found: list[str] = []
+    for i, (kind, lines) in enumerate(groups):
+        before = [k for k, _ in groups[max(0, i - 2):i]]
+        if kind == "table" and (before[-1:] == ["text"] or before == ["text", "gap"]):
+            found[-1] += " " + " ".join(lines)
+        elif kind in ("text", "table"):
+            found.append(" ".join(lines))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name if p.parent == ROOT else f"docs/{p.name}")
+def test_every_speed_figure_names_the_committed_file_that_holds_it(page):
+    """A paragraph or table row that quotes a speed (a ratio such as 1.04x, or tokens/s) names a
+    results file committed in docs/results/, or the paper it quotes (arXiv)."""
+    committed = {p.name for p in (ROOT / "docs" / "results").glob("*.json")}
+    bare = [b[:160] for b in blocks(page.read_text())
+            if SPEED.search(b) and not set(CITED.findall(b)) & committed and "arXiv" not in b]
+    assert not bare, f"{len(bare)} figures without their data:\n" + "\n".join(bare)
+
+
+def headline_rows() -> list[list[str]]:
+    """The README's headline table, a list of cells per row (the header and its rule left out)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Headline figures"):].split("\n\n| ", 1)[1].split("\n\n", 1)[0]
+    return [[c.strip() for c in ("| " + row if i == 0 else row).strip("|").split("|")]
+            for i, row in enumerate(table.splitlines())][2:]
+
+
+def test_every_headline_row_says_what_ran_and_links_its_committed_data():
+    """Each row: a kind that says what was real, and data that is a committed results file (or the
+    test suite, for what a test checks)."""
+    committed = {p.name for p in (ROOT / "docs" / "results").glob("*.json")}
+    kinds = ("real", "emulated", "replay", "test", "model")
+    rows = headline_rows()
+    assert len(rows) > 10
+    for what, figure_, host, kind, data, detail in rows:
+        assert any(k in kind for k in kinds), (what, kind)
+        links = re.findall(r"\(docs/results/([\w.-]+\.json)\)", data)
+        assert links and set(links) <= committed or data == "`make test`", (what, data)
 
 
 def figure(name: str) -> dict:
@@ -90,7 +123,7 @@ def first_screen_figures() -> dict[str, str]:
                        f"{sum(r['drafts'] for r in amx['requests'])} of {sum(r['target_steps'] for r in amx['requests'])}",
         "one instance": f"{split['star-real@0']['tokens_per_s'] / split['vllm-draft-4@0']['tokens_per_s']:.2f}x",
         "two instances": f"{two['star-real-x2@0']['tokens_per_s'] / two['vllm-draft-4-x2@0']['tokens_per_s']:.2f}x",
-        "vllm serve": f"{min(serve):.2f}-{max(serve):.2f}x of `vllm serve` alone in {len(serve)} runs",
+        "vllm serve": f"{min(serve):.2f}-{max(serve):.2f}x of `vllm serve` alone in {len(serve) // 2} runs of 1 and 3",
     }
 
 
