@@ -134,7 +134,7 @@ def test_the_first_draft_is_made_while_the_target_prefills(star, local):
         # drafted before it is asked for: its reply is in the socket before the prefill's 0.5 s are out (seen
         # there, not read off a wait shorter than the server's queue + service ms, which a loaded host's
         # preemption of this thread can make longer than those few ms)
-        assert client.sock.poll(10_000), "no first draft"
+        assert client.link.sock.poll(10_000), "no first draft"
         time.sleep(max(0.0, reset + 0.5 - time.monotonic()))  # the target's prefill
         drafter.propose(seq, [], cfg, SamplingConfig(), max_depth=4)
         t = drafter.timing

@@ -163,7 +163,7 @@ def test_stop_is_prompt_however_long_the_queue(tiny_drafters):
     for a in askers:
         a.join()
     for c in clients:
-        c.sock.close(0)
+        c.link.close(0)
 
 
 class Gated:

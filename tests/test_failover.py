@@ -330,7 +330,7 @@ def test_a_late_draft_is_taken_below_the_tokens_committed_since(rig, dirs):
     seq = drafter.start(prompt)
     assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=0)) == 0  # asked ahead
     assert seq.pending and drafter.timing.ahead == 1 and drafter.timing.late == 0
-    assert rig.client.sock.poll(10_000)  # it comes back while the target decodes a token alone (a 100 ms
+    assert rig.client.link.sock.poll(10_000)  # it comes back while the target decodes a token alone (a 100 ms
     # round trip through the proxy; a fixed wait for it is a guess at a loaded host's pace)
     first = int(own.tokens[0])
     tree = drafter.propose(seq, [first], cfg, GREEDY, max_depth=4, deadline_ms=0)
@@ -345,7 +345,7 @@ def test_a_late_draft_is_taken_below_the_tokens_committed_since(rig, dirs):
     again = local.drafter.propose(local.drafter.start(prompt + [first] + tree.tokens.tolist()), [], cfg, GREEDY)
     assert seq.behind == 0 and fresh.tokens.tolist() == again.tokens.tolist()
     assert len(drafter.propose(seq, again.tokens.tolist()[:1], cfg, GREEDY, max_depth=4, deadline_ms=0)) == 0
-    assert rig.client.sock.poll(10_000)
+    assert rig.client.link.sock.poll(10_000)
     wrong = (int(again.tokens[1]) + 1) % 50
     drafter.propose(seq, [wrong], cfg, GREEDY, max_depth=4, deadline_ms=5000)
     assert seq.behind == 0 and drafter.timing.taken_late == 1  # the late one no longer followed: a fresh draft

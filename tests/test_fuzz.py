@@ -436,7 +436,7 @@ def test_a_server_that_answers_nonsense_costs_a_target_its_drafts_not_its_stream
         tree = drafter.propose(seq, [], DraftConfig(depth=3), SamplingConfig(), max_depth=3)
         t.join(5)
         assert answered and len(tree) == 0 and drafter.down  # decodes alone; a new session comes later
-        c.sock.close(0)
+        c.link.close(0)
     finally:
         router.close(0)
 

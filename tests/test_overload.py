@@ -151,7 +151,7 @@ def cycle(address: str, fingerprint: str, i: int, bye: bool) -> None:
     if bye:
         c.close()
     else:  # a target that vanished: no Bye, its socket just closes
-        c.sock.close(0)
+        c.link.close(0)
 
 
 def test_thousand_sessions_leave_no_memory_behind(dirs):

@@ -80,16 +80,18 @@ def engine_run(model, speculative: dict | None = None, **changes) -> dict:
             "speculative": speculative, "max_num_seqs": 4, **changes}
 
 
-def star_run(models, python, tmp_path, during=None, vllm_repair: bool = True, **changes) -> tuple[dict, dict]:
+def star_run(models, python, tmp_path, during=None, vllm_repair: bool = True, server: ServerConfig = ServerConfig(),
+             **changes) -> tuple[dict, dict]:
     """vLLM with StarSD's drafts from a draft server drafting with the perturbed copy, k = 4 asked every
     step (not adaptive: against a model this fast no draft pays, and the adaptive policy asks none);
-    `during(server, stats_file)` runs beside it; `changes` to the engine's run (engine_run). Returns vLLM's
+    `during(server, stats_file)` runs beside it; `server`: the draft server's settings; `changes` to the
+engine's run (engine_run). Returns vLLM's
 result and the plug-in's counters."""
     target, draft = models
     pair = PairConfig(target=str(target), draft=str(draft), dtype="float32", draft_quantize="none",
                       target_engine="transformers", threads=1)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    star = start_server(pair, ServerConfig(), log=str(tmp_path / "server.log"))
+    star = start_server(pair, server, log=str(tmp_path / "server.log"))
     stats = tmp_path / "proposer.json"
     proposer = ProposerSettings(connect=star.address, timeout_s=10.0, stats_file=str(stats), adaptive=False,
                                 cohosted_drafts=True,

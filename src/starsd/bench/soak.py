@@ -38,7 +38,8 @@ from starsd.bench import harness
 from starsd.errors import SettingError
 from starsd.results import Steps, panel_plot, summary, write_json
 from starsd.star import protocol as P
-from starsd.star.client import Heartbeat, query_stats
+from starsd.star.client import query_stats
+from starsd.star.connection import Heartbeat
 from starsd.star.launch import Star, start_server
 from starsd.star.processes import free_port, read_json_line, spawn
 
@@ -397,7 +398,7 @@ class Prober:
         if not isinstance(welcome, P.Welcome):  # no session to aim at: the round cannot be played
             return [{"name": "the owner's hello", "expect": "Welcome", "got": name_of(welcome), "bad": False}]
         tag = welcome.tag
-        self.heartbeat = Heartbeat(self.address, tag, 0.25)
+        self.heartbeat = Heartbeat(self.address, lambda: (tag,), 0.25)
         self.heartbeat.start()
         out = []
         for line in script(tag, self.fingerprint, self.vocab_size, self.prompt):

@@ -4,7 +4,7 @@ vLLM and StarSD's own engines need different transformers releases (README, vLLM
 
 RUN.json: {"model", "dtype", "speculative" (vLLM's --speculative-config, or null), "prompts"
 (token ids each), "max_tokens", "temperature", "seed" (each request's; null: none, so that copies of a
-prompt sample apart, from the engine's generator seeded 0), "ignore_eos", "max_num_seqs", "logprobs"}.
+prompt sample apart, from the engine's generator seeded 0), "ignore_eos", "max_num_seqs", "logprobs", "warm_up" (true: a 2-token request before the timed run)}.
 Prints one JSON line: each prompt's token ids (and with "logprobs" > 0 each step's top logprobs),
 the seconds and tokens/s of the timed run, vLLM's own speculative counters.
 """
@@ -38,7 +38,8 @@ def main(path: str) -> None:
     sampling = SamplingParams(temperature=run.get("temperature", 0.0), seed=seed,
                               max_tokens=run["max_tokens"], ignore_eos=run.get("ignore_eos", True),
                               logprobs=run.get("logprobs") or None)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
+    if run.get("warm_up", True):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     before = counters(llm)
     started = time.perf_counter()
     outs = llm.generate(prompts, sampling, use_tqdm=False)

@@ -98,6 +98,8 @@ class DraftServerCollector:
                                 value=stats.get("queue_depth", 0))
         yield GaugeMetricFamily("starsd:draft_server_sessions_open", "target sessions held",
                                 value=stats["sessions_open"])
+        yield GaugeMetricFamily("starsd:draft_server_connections", "connections holding sessions (an engine's "
+                                "requests share one)", value=stats.get("connections", 0))
         yield CounterMetricFamily("starsd:draft_server_sessions_evicted", "sessions whose draft KV was freed for "
                                   "another's (their next request ingests their tokens again)",
                                   value=stats.get("sessions_evicted", 0))
@@ -126,7 +128,8 @@ def combined(snapshots: list[dict]) -> dict:
         errors.update(s["errors"])
         sizes.update({int(k): v for k, v in s["batch_sizes"].items()})
     total = {key: sum(s.get(key, 0) for s in snapshots)
-             for key in ("busy_s", "queue_depth", "sessions_open", "requests", "sessions_evicted", "kv_bytes")}
+             for key in ("busy_s", "queue_depth", "sessions_open", "requests", "sessions_evicted", "kv_bytes",
+                          "connections")}
     return {**total, "utilization": sum(s["utilization"] for s in snapshots) / len(snapshots), "errors": dict(errors),
             "predraft": {"hits": sum(s["predraft"]["hits"] for s in snapshots)}, "batch_sizes": dict(sizes),
             "prefix": {"tokens": sum(s.get("prefix", {}).get("tokens", 0) for s in snapshots)}}

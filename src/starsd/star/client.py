@@ -1,6 +1,7 @@
-"""A target's connection to a draft server: its session's socket (hello, draft requests and their
-replies, refusals as DraftServerError) and the heartbeat that tells a dead server from a busy one.
-The drafter that a target's decode loop drafts with over it is star/remote_drafter.py.
+"""A target's session on a draft server: hello, draft requests and their replies, refusals as
+DraftServerError, over a socket of its own or a channel of its engine's shared connection, with the
+heartbeat that tells a dead server from a busy one (star/connection.py). The drafter that a
+target's decode loop drafts with over it is star/remote_drafter.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import json
 import logging
 import math
 import random
-import threading
 import time
 
 import torch
@@ -19,6 +19,7 @@ from starsd.config import ClientKeys, DraftConfig, SamplingConfig
 from starsd.errors import StarsdError
 from starsd.star import protocol as P
 from starsd.star import security
+from starsd.star.connection import Channel, Connections, Heartbeat, Socket
 from starsd.star.placement import Loads, least_loaded, should_move
 
 
@@ -59,7 +60,11 @@ def for_target(addresses: str, i: int) -> str:
 
 
 class DraftClient:
-    """One DEALER connection with one session. Not thread-safe: one request in flight at a time.
+    """One session on a draft server. Not thread-safe: one request in flight at a time.
+
+    Its link is a DEALER socket of its own, or, given an engine's `connections`, a channel of the one
+    connection that all the engine's sessions share with that server (star/connection.py): one socket
+    and one heartbeat for them all.
 
     `step` numbers the session's requests as the server counts them: it advances when a reply
     comes and stays put on an Error, since a refused request is not taken (protocol.Error).
@@ -75,13 +80,18 @@ class DraftClient:
     has no room for it, or when `better()` finds the sessions unevenly spread (star/placement.py)."""
 
     def __init__(self, address: str, fingerprint: str, name: str = "target", timeout_s: float = 60.0,
-                 heartbeat_s: float = 0.25, dead_after_s: float = 1.0, keys: ClientKeys = ClientKeys()):
+                 heartbeat_s: float = 0.25, dead_after_s: float = 1.0, keys: ClientKeys = ClientKeys(),
+                 connections: Connections | None = None):
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
         self.address = self.addresses[0]  # the server this client talks to now
+        self.connections = connections  # the engine's shared connections (None: a socket of its own)
         self.loads: Loads | None = None  # the sessions each of several servers holds
         if len(self.addresses) > 1:
-            self.loads = Loads(self.addresses, keys)
-            self.loads.start()
+            if connections is None:
+                self.loads = Loads(self.addresses, keys)
+                self.loads.start()
+            else:
+                self.loads = connections.loads(self.addresses)
             self.loads.wait_first(dead_after_s)
             self.address = least_loaded(self.addresses, self.loads.held()) or self.address
         self._judged = 0  # the last round of loads that better() judged (or, after a Welcome, the round
@@ -96,8 +106,7 @@ class DraftClient:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self._heartbeat: Heartbeat | None = None
-        self.ctx = zmq.Context.instance()
-        self.sock = self._socket()
+        self.link = self._link()
         self.tag = 0
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
@@ -108,8 +117,17 @@ class DraftClient:
         self.hello_at = time.monotonic()  # when the last Hello went out
         self.hello_pending = False  # a Hello went out on this socket and no Welcome or refusal was read since
 
-    def _socket(self) -> zmq.Socket:
-        return security.connect(self.ctx, self.address, self.keys)
+    def _link(self) -> Socket | Channel:
+        if self.connections is not None:
+            return self.connections.channel(self.address)
+        return Socket(self.address, self.keys)
+
+    @property
+    def beat(self) -> Heartbeat | None:
+        """The heartbeat of this client's server (its own, or its connection's; None: none yet)."""
+        if isinstance(self.link, Channel):
+            return self.link.heartbeat if self.connections.heartbeat_s > 0 else None
+        return self._heartbeat
 
     def hello(self, timeout_s: float | None = None) -> P.Welcome:
         self.send_hello()
@@ -118,7 +136,7 @@ class DraftClient:
     def send_hello(self) -> None:
         """The first half of hello(): receive_welcome() must come before any other request."""
         self.hello_at = time.monotonic()
-        self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name))
+        self._send(P.Hello(P.PROTOCOL_VERSION, self.fingerprint, self.name, self.link.stream))
         self.hello_pending = True  # (not if it could not go out)
 
     def receive_welcome(self, timeout_s: float | None = None, wait_s: float | None = None) -> P.Welcome | None:
@@ -143,14 +161,15 @@ class DraftClient:
         self._welcome_wait_ms = welcome.wait_ms
         self.ingest_ms = welcome.ingest_ms
         self._welcome_local = welcome.local
-        if self.heartbeat_s > 0:
+        if self.heartbeat_s > 0 and isinstance(self.link, Socket):
             if self._heartbeat:
                 self._heartbeat.stop()
             # its socket's first pong takes a connection and a handshake, as long as the Hello took
             # (several round trips on a slow link): silence counts from then. A Welcome read late
             # (looked for between steps) took less than it seems: at most a few dead_after_s.
             grace_s = min(time.monotonic() - self.hello_at, 4 * self.dead_after_s)
-            self._heartbeat = Heartbeat(self.address, self.tag, self.heartbeat_s, self.keys, grace_s)
+            tag = self.tag
+            self._heartbeat = Heartbeat(self.address, lambda: (tag,), self.heartbeat_s, self.keys, grace_s)
             self._heartbeat.start()
         return welcome
 
@@ -177,33 +196,34 @@ class DraftClient:
     def level_ms(self) -> float:
         """The server's recent time per drafted level of a stream: as the heartbeat's last Pong said,
         else as the Welcome did (0: unknown)."""
-        beat = self._heartbeat
+        beat = self.beat
         return beat.level_ms if beat is not None and beat.level_ms > 0 else self._welcome_level_ms
 
     @property
     def wait_ms(self) -> float:
         """The server's recent time on a request, arrival to reply, as the heartbeat's last Pong said,
         else as the Welcome did (0: unknown)."""
-        beat = self._heartbeat
+        beat = self.beat
         return max(0.0, beat.wait_ms if beat is not None and beat.wait_ms >= 0 else self._welcome_wait_ms)
 
     @property
     def local_sessions(self) -> int:
         """The server's sessions of targets on its own host, as its last Pong said, else its Welcome
         (-1: not said)."""
-        beat = self._heartbeat
+        beat = self.beat
         return beat.local if beat is not None and beat.local >= 0 else self._welcome_local
 
     def reachable(self, patience: float = 1.0) -> bool:
         """Whether the server answered a ping within patience x dead_after_s (True without a heartbeat)."""
-        return self._heartbeat is None or self._heartbeat.silent_s() <= patience * self.dead_after_s
+        beat = self.beat
+        return beat is None or beat.silent_s() <= patience * self.dead_after_s
 
     def session_gone(self) -> bool:
         """Whether the heartbeat's replies say the server no longer holds this client's session: it
         was restarted, or it freed the session after a silence. No request needs to be refused first
         (a target that decodes alone for a while sends none)."""
-        beat = self._heartbeat
-        return bool(self.tag) and beat is not None and beat.tag == self.tag and beat.session_gone
+        beat = self.beat
+        return bool(self.tag) and beat is not None and beat.lost(self.tag)
 
     def move(self, to: str | None = None) -> str:
         """Make another of several servers this client's: `to`, else the least loaded of the others
@@ -217,7 +237,7 @@ class DraftClient:
         following = listed[(here + 1) % len(listed)]
         held = self.loads.held() if self.loads is not None else {}
         self.address = to or least_loaded(listed, held, skip=self.address) or following
-        self.sock = self._socket()
+        self.link = self._link()
         self.tag = 0
         self.hello_pending = False
         return self.address
@@ -266,10 +286,10 @@ class DraftClient:
         return other if should_move(held[self.address], held[other], self._rng) else None
 
     def reopen(self) -> None:
-        """A fresh socket, and a Hello on it for a new session (the old socket's queued messages are
-        dropped, so no stale request reaches a restarted server); receive_welcome() says when it is open."""
-        self.sock.close(0)
-        self.sock = self._socket()
+        """A fresh socket (or channel), and a Hello on it for a new session (the old one's queued messages
+        are dropped, so no stale request reaches a restarted server); receive_welcome() says when it is open."""
+        self.link.close(0)
+        self.link = self._link()
         self.tag = 0
         self.send_hello()
 
@@ -319,7 +339,7 @@ class DraftClient:
 
     def close(self) -> None:
         self._leave()
-        if self.loads is not None:
+        if self.loads is not None and self.connections is None:  # (shared ones: the connections' to stop)
             self.loads.stop()
 
     def _leave(self) -> None:
@@ -331,11 +351,11 @@ class DraftClient:
                 self._send(P.Bye(self.tag))
             except (zmq.ZMQError, DraftServerError):
                 pass
-        self.sock.close(linger=100)
+        self.link.close(100)
 
     def _send(self, msg, tensors=()) -> None:
         try:
-            self.sock.send_multipart(P.encode(msg, tensors), copy=False)
+            self.link.send(P.encode(msg, tensors))
         except zmq.Again:
             raise DraftServerError("unreachable", f"{self.address} takes no message: no connection to it "
                                                   f"takes one within {security.SEND_TIMEOUT_MS / 1e3:.0f} s") from None
@@ -348,21 +368,22 @@ class DraftClient:
         deadline = time.monotonic() + timeout_s
         while True:
             wait_ms = 100 if until is None else max(0, min(100, math.ceil((until - time.monotonic()) * 1e3)))
-            if not self.sock.poll(wait_ms):
+            try:
+                got = self.link.receive(wait_ms)
+            except P.ProtocolError as e:  # a server that speaks nonsense is no server
+                raise DraftServerError("bad_reply", f"malformed message from {self.address}: {e}") from None
+            if got is None:
                 if until is not None and time.monotonic() >= until:
                     return None
                 if time.monotonic() > deadline:
                     raise DraftServerError("timeout", f"no answer from {self.address} within {timeout_s:.0f} s")
                 if not self.reachable():
                     raise DraftServerError("unreachable", f"{self.address} answered no heartbeat for "
-                                                          f"{self._heartbeat.silent_s():.1f} s")
+                                                          f"{self.beat.silent_s():.1f} s")
                 if self.session_gone():
                     raise DraftServerError("unknown_session", f"{self.address} no longer holds session {self.tag:x}")
                 continue
-            try:
-                msg, tensors = P.decode(self.sock.recv_multipart(copy=False))
-            except P.ProtocolError as e:  # a server that speaks nonsense is no server
-                raise DraftServerError("bad_reply", f"malformed message from {self.address}: {e}") from None
+            msg, tensors = got
             if isinstance(msg, P.Error):
                 if step >= 0 and msg.step not in (-1, step):
                     continue
@@ -370,61 +391,3 @@ class DraftClient:
             if not isinstance(msg, want):
                 raise DraftServerError("unexpected", f"expected {want.__name__}, got {type(msg).__name__}")
             return msg, tensors
-
-
-class Heartbeat(threading.Thread):
-    """Pings the draft server on a socket of its own while the target computes, so the server can
-    tell a busy target from a dead one, and the target a dead server from a busy one (ZeroMQ
-    sockets are not shared between threads)."""
-
-    def __init__(self, address: str, tag: int, interval_s: float, keys: ClientKeys = ClientKeys(),
-                 grace_s: float = 0.0):
-        super().__init__(name="starsd-heartbeat", daemon=True)
-        self.address = address
-        self.keys = keys
-        self.tag = tag
-        self.interval_s = interval_s
-        self._stop_event = threading.Event()
-        self._last_pong = time.monotonic() + grace_s
-        self.session_gone = False  # a Pong said the server does not hold session `tag` (restarted, or freed it)
-        self.level_ms = 0.0  # the server's time per drafted level, as its last Pong said (0: none said it yet)
-        self.local = -1  # the server's sessions of targets on its host, as its last Pong said (-1: none said it yet)
-        self.wait_ms = -1.0  # the server's recent time on a request, as its last Pong said (-1: none said it yet)
-
-    def silent_s(self) -> float:
-        """Seconds since the server last answered a ping (or since the heartbeat started, plus
-        `grace_s`: the time its connection is allowed to take)."""
-        return time.monotonic() - self._last_pong
-
-    def run(self) -> None:
-        sock = security.connect(zmq.Context.instance(), self.address, self.keys, send_hwm=4)  # pings to a dead server
-        # are dropped, not queued up for its successor
-        try:
-            while not self._stop_event.wait(self.interval_s):
-                try:
-                    sock.send_multipart(P.encode(P.Ping(self.tag, time.time())), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                while sock.poll(0):
-                    pong = sock.recv_multipart()
-                    self._last_pong = time.monotonic()
-                    try:
-                        msg = P.decode(pong)[0]
-                    except P.ProtocolError:
-                        continue  # an answer all the same: the server is alive
-                    if not isinstance(msg, P.Pong):
-                        continue
-                    if not msg.known:
-                        self.session_gone = True
-                    if msg.level_ms > 0:
-                        self.level_ms = msg.level_ms
-                    if msg.local >= 0:
-                        self.local = msg.local
-                    if msg.wait_ms >= 0:
-                        self.wait_ms = msg.wait_ms
-        finally:
-            sock.close(0)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=2)

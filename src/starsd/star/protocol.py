@@ -9,7 +9,9 @@ message that fails raises ProtocolError, which the server turns into an Error re
 One draft iteration of a session:
   target -> server  DraftRequest(tag, step, tokens = committed since the last request [, features])
   server -> target  DraftReply(tag, step, tokens, parents [, q ids, q weights])
-The first request of a stream carries reset=True, the whole prompt and the settings. A sampled
+The first request of a stream carries reset=True, the whole prompt and the settings. One connection
+may hold many sessions (an engine's requests), each opened by a Hello with its own `stream` number
+and told apart by tag: its Welcome and refusals echo the number, one Ping carries all their tags. A sampled
 draft's q travels as each node's support (spec_decode/sparse_q.py); a server drafting with an
 EAGLE head names in its Welcome the target features it needs (`taps`), which each request then
 carries (`features_to_wire`). A target server (star/target_server.py) speaks the same wire to the
@@ -31,11 +33,12 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 9  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+PROTOCOL_VERSION = 10  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
 # travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
 # level_ms; 5: and its sessions of targets on its own host (`local`); 6: a draft request may say where its chain
 # stops (`stop`: the stream's depth policy chooses it per step); 7: Welcome says the server's ingest_ms; 8: Welcome
-# and Pong say its wait_ms; 9: a draft request may say that more of its sender's follow at once (`more`)
+# and Pong say its wait_ms; 9: a draft request may say that more of its sender's follow at once (`more`); 10: a
+# connection holds a session per Hello `stream` (one engine, one connection), and a Ping carries many `tags`
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -49,6 +52,8 @@ MAX_STOP_CHARS = 256
 MAX_ADDRESS_CHARS = 256  # a ZeroMQ address in a DraftMoved
 MAX_MESSAGES = 1 << 14  # a Generate's chat messages: each costs template tokens, so more fit no context
 MAX_MORE = 1 << 16  # a draft request's `more`
+MAX_STREAM = (1 << 62) - 1  # a Hello's stream number
+MAX_PING_TAGS = 1 << 12  # the sessions one Ping keeps alive (a client with more sends several)
 # Every variable-length part of a header is bounded in its type, so that msgspec refuses an
 # oversized one before building it: a header of millions of tiny items (tensor specs, a shape's
 # dimensions, messages) used to cost the IO thread seconds and gigabytes, and came back quoted
@@ -102,6 +107,9 @@ class Hello(msgspec.Struct, array_like=True, frozen=True):
     version: int
     fingerprint: str  # models.loading.vocab_fingerprint of the target's tokenizer and logits width
     name: str  # for logs: which target this is
+    stream: Annotated[int, msgspec.Meta(ge=0, le=MAX_STREAM)] = 0  # the session's number on its connection:
+    # a second Hello with the same number replaces that session (0: the connection's only one), any other
+    # opens one more beside it (an engine's requests on one connection: star/connection.py)
 
 
 class Welcome(msgspec.Struct, array_like=True, frozen=True):
@@ -120,6 +128,7 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     wait_ms: Annotated[float, msgspec.Meta(ge=-1.0, le=1e9)] = -1.0  # the server's recent time on a request, from its
     # arrival to its reply (queue and draft; ServerStats.wait_ms; -1: none answered yet): a stream that joins a
     # saturated server knows at once that a draft waited for comes too late (spec_decode/depth.py, Source.server_ms)
+    stream: Annotated[int, msgspec.Meta(ge=0, le=MAX_STREAM)] = 0  # its Hello's: which session of the connection
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -156,11 +165,14 @@ class Error(msgspec.Struct, array_like=True, frozen=True):
     message: str
     tag: int = 0
     step: int = -1
+    stream: Annotated[int, msgspec.Meta(ge=0, le=MAX_STREAM)] = 0  # a refused Hello's (tag 0): which one it was
 
 
 class Ping(msgspec.Struct, array_like=True, frozen=True):
     tag: int
     sent: float
+    tags: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_PING_TAGS)] = ()  # more sessions it keeps alive
+    # (a connection's: star/connection.py)
 
 
 class Pong(msgspec.Struct, array_like=True, frozen=True):
@@ -174,6 +186,8 @@ class Pong(msgspec.Struct, array_like=True, frozen=True):
     local: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] = -1  # of them, those of targets on its host, as in Welcome
     wait_ms: Annotated[float, msgspec.Meta(ge=-1.0, le=1e9)] = -1.0  # as in Welcome, kept fresh: a stream that asks
     # for no draft (none pays while the server is saturated) still knows when it has caught up
+    unknown: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_PING_TAGS)] = ()  # those of the Ping's `tags`
+    # that the server does not hold
 
 
 class StatsRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -261,6 +261,7 @@ class DraftServer:
         if time.monotonic() - self._reaped_at > min(1.0, self.cfg.session_timeout_s / 4):
             self.sessions.reap()
             self.stats.kv_bytes = self.sessions.held_bytes()  # an int: one write
+            self.stats.connections = self.sessions.connections()
             self._reaped_at = time.monotonic()
 
     def _take(self, req: Request, busy: frozenset[int] = frozenset()) -> Session | None:
@@ -273,7 +274,7 @@ class DraftServer:
                 s = self.sessions.open(req.peer, msg, req.user, req.local)
                 self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps,
                                                       self.stats.level_ms(), self.sessions.local(),
-                                                      self.stats.ingest_ms(), self.stats.wait_ms()))
+                                                      self.stats.ingest_ms(), self.stats.wait_ms(), msg.stream))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:
@@ -295,7 +296,8 @@ class DraftServer:
         tag = getattr(req.msg, "tag", 0)
         self.stats.error(code)
         log.warning("refused a message of session %x: %s [%s]", tag, message, code)
-        self._outbox.send(req.peer, P.Error(code, message, tag, getattr(req.msg, "step", -1)))
+        self._outbox.send(req.peer, P.Error(code, message, tag, getattr(req.msg, "step", -1),
+                                            getattr(req.msg, "stream", 0)))
 
     def _answer_ahead(self, s: Session, req: Request) -> bool:
         """Answer a request from its session's pre-draft if it brings what the pre-draft assumed."""

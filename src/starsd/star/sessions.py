@@ -1,10 +1,11 @@
 """Sessions: the per-target state of a draft server, and the rules a draft request must pass.
 
-A Hello binds a fresh random tag to the peer's connection; all draft state of that target (draft
-KV, committed tokens, settings, random generator) lives under the tag, and a request is honoured
-only from the connection (and, with keys, the authenticated key) that owns it. `next_step` advances
-by one per request taken; a refused request leaves it where it was. A session is freed on Bye, on a
-second Hello from its connection, or after session_timeout_s without a request or a heartbeat.
+A Hello binds a fresh random tag to the peer's connection, one per Hello `stream` number; all draft
+state of that target (draft KV, committed tokens, settings, random generator) lives under the tag,
+and a request is honoured only from the connection (and, with keys, the authenticated key) that owns
+it. `next_step` advances by one per request taken; a refused request leaves it where it was. A
+session is freed on Bye, on a second Hello of its stream number from its connection, or after
+session_timeout_s without a request or a heartbeat.
 
 Memory bounds the sessions: their draft KV shares one budget (kv_budget_gib). A request that needs
 more than is free takes it from what is idle: retired states first, then pre-drafts, then the least
@@ -14,9 +15,8 @@ whole budget cannot hold; a request that needs room held by requests waiting to 
 their batch. A stream's draft state that its session leaves (Bye, timeout, a reset) is *retired*:
 kept up to prefix_keep_s for a later stream that begins with the same tokens (prefixes.py).
 
-Only the compute loop calls these methods, except `heartbeat` (the IO thread), which writes nothing
-but the `pinged` field of a session it finds: a ping that races with `free` lands on a session
-object that is gone with it.
+Only the compute loop calls these methods, except `heartbeat` (the IO thread), which writes only the
+`pinged` field of a session it finds (one that races with `free` lands on an object gone with it).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class Session:
     name: str
     user: str = ""  # the target's authenticated public key (star/security.py); "" without keys
     local: bool = False  # the target runs on this host: its cores are the ones this server drafts on
+    stream: int = 0  # its Hello's stream number on the connection
     seq: DraftSequence | None = None  # draft state; None until a reset request, or after a failure
     draft: DraftConfig | None = None
     sampling: SamplingConfig | None = None
@@ -100,7 +101,7 @@ class Sessions:
         self.vocab_size = vocab_size
         self.stats = stats
         self._by_tag: dict[int, Session] = {}
-        self._by_peer: dict[bytes, int] = {}
+        self._by_stream: dict[tuple[bytes, int], int] = {}  # (connection, Hello's stream number) -> tag
         self.column_bytes = KV.bytes_per_column(drafter.model)  # one token of draft KV
         self.kv_budget = int(cfg.kv_budget_gib * (1 << 30))
         self.max_sessions = cfg.max_sessions or max(1, self.kv_budget // (SESSION_COLUMNS * self.column_bytes))
@@ -131,15 +132,15 @@ class Sessions:
         if hello.fingerprint != self.fingerprint:
             raise Refused("vocab_mismatch", f"vocabulary fingerprint {hello.fingerprint[:12]} differs from the "
                           f"draft model's {self.fingerprint[:12]}: target and draft need one shared tokenizer")
-        old = self._by_peer.get(peer)
-        if old is not None:  # one session per connection: a second hello replaces the first
+        old = self._by_stream.get((peer, hello.stream))
+        if old is not None:  # one session per stream number of a connection: a second hello replaces the first
             self.free(self._by_tag[old], "replaced")
         if len(self._by_tag) >= self.max_sessions:
             raise Refused("too_many_sessions", f"the draft server holds its maximum of {self.max_sessions} "
                           "sessions; retry later or use another draft server")
-        s = Session(secrets.randbits(62) + 1, peer, hello.name, user, local)
+        s = Session(secrets.randbits(62) + 1, peer, hello.name, user, local, hello.stream)
         self._by_tag[s.tag] = s
-        self._by_peer[peer] = s.tag
+        self._by_stream[peer, hello.stream] = s.tag
         self.stats.count("sessions_opened")
         log.info("session %x opened for %s%s", s.tag, s.name, " (on this host)" if local else "")
         return s
@@ -313,11 +314,15 @@ class Sessions:
         s.pinged = time.monotonic()
         return True
 
+    def connections(self) -> int:
+        """The connections that hold sessions (an engine's requests share one)."""
+        return len({s.peer for s in self})
+
     def free(self, s: Session, why: str) -> None:
         self._retire(s)
         self._by_tag.pop(s.tag, None)
-        if self._by_peer.get(s.peer) == s.tag:
-            del self._by_peer[s.peer]
+        if self._by_stream.get((s.peer, s.stream)) == s.tag:
+            del self._by_stream[s.peer, s.stream]
         self.stats.count("sessions_freed")
         log.info("session %x of %s freed (%s)", s.tag, s.name, why)
 

@@ -30,6 +30,7 @@ class ServerStats:
         self.prefix_hits = 0  # new streams started from a prefix another's draft KV held (star/prefixes.py)
         self.prefix_tokens = 0  # the tokens those streams did not ingest
         self.kv_bytes = 0  # draft KV the sessions and their pre-drafts hold, as last counted (about once a second)
+        self.connections = 0  # connections holding sessions (an engine's requests share one), counted with kv_bytes
         self.kv_budget_bytes = 0
         self.busy_s = 0.0
         self.hops = 0
@@ -139,6 +140,7 @@ class ServerStats:
                 "queue_depth": queue_depth, "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
                 "sessions_freed": self.sessions_freed, "sessions_evicted": self.sessions_evicted,
                 "sessions_restored": self.sessions_restored, "kv_bytes": self.kv_bytes,
+                "connections": self.connections,
                 "kv_budget_bytes": self.kv_budget_bytes, "timeline": list(self.timeline),
                 "reply_hop_ms": 1e3 * self.hop_s / self.hops if self.hops else 0.0, "work": dict(self.work),
                 "predraft": {"outcomes": self.predrafts, "hits": self.predraft_hits, "misses": self.predraft_misses,

@@ -139,8 +139,9 @@ class Transport:
             self.stats.error("internal")
             return answer(P.Error("internal", str(e)[:200]))
         if isinstance(msg, P.Ping):
+            unknown = tuple(tag for tag in msg.tags if not self.on_ping(tag))
             return answer(P.Pong(msg.tag, msg.sent, self.on_ping(msg.tag), self.stats.level_ms(), *self.sessions(),
-                                 self.stats.wait_ms()))
+                                 self.stats.wait_ms(), unknown))
         if isinstance(msg, P.StatsRequest):
             return answer(P.Stats(self.stats_json()))
         if not isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):
@@ -152,7 +153,8 @@ class Transport:
             self.stats.error("busy")
             tag = 0 if isinstance(msg, P.Hello) else msg.tag
             step = msg.step if isinstance(msg, P.DraftRequest) else -1
-            return answer(P.Error("busy", "draft server queue is full; retry later", tag, step))
+            stream = msg.stream if isinstance(msg, P.Hello) else 0
+            return answer(P.Error("busy", "draft server queue is full; retry later", tag, step, stream))
         user = security.peer_key(frames[1]) if self._auth else ""
         self.q_in.put(Request(peer, msg, tensors, time.perf_counter(), user, self._on_this_host(peer, frames[1])))
 

@@ -7,8 +7,8 @@ out. So whatever the server drafts, vLLM's output is its own.
     STARSD_CONNECT=tcp://draft-host:5555 vllm serve MODEL --speculative-config \\
         '{"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": 4}'
 
-Each vLLM request is a session on the draft server (rows.py tells them apart), drafting as a target
-server's stream does: its depth chosen each step from measured costs (spec_decode/depth.py), drafts asked
+Each vLLM request is a session on the draft server (rows.py tells them apart), all of them on one
+connection per draft server with one heartbeat (star/connection.py), drafting as a target server's stream does: its depth chosen each step from measured costs (spec_decode/depth.py), drafts asked
 ahead of the step that uses them where the server is on another host, several servers with
 failover, CurveZMQ keys (config.ProposerSettings). It fails open: a draft server that is slow, gone
 or refuses gives empty drafts for that step, and vLLM decodes on.
@@ -29,6 +29,7 @@ from starsd.models.loading import vocab_fingerprint
 from starsd.spec_decode.depth import Decision, DepthPolicy, Source
 from starsd.spec_decode.tree import DraftTree
 from starsd.star.client import DraftClient, for_target
+from starsd.star.connection import Connections
 from starsd.star.hosts import server_on_this_host
 from starsd.star.remote_drafter import RemoteDrafter, RemoteSequence
 from starsd.vllm import kernels
@@ -55,6 +56,7 @@ class Stream:
     asked: int = 0  # the depth of the draft it gave vLLM at its last step (0: none)
     asked_for: int | None = None  # the depth it waited for then (None: a draft asked earlier, or none)
     given: bool = False  # it gave vLLM its row's draft (or none) at the last call: the next tells the outcome
+    undrafted: bool = True  # its request has had no draft yet
     cfg: DraftConfig | None = None  # this step's draft: its chain stops where its costs say (spec_decode/depth.py)
     draft_ms: float | None = None  # that wait
     ingests: bool = False  # this step's request carries the whole prefix (a reset): its wait is no draft's cost
@@ -75,6 +77,8 @@ class Counters:
     ms: float = 0.0  # time in propose(): sending, waiting for drafts, bookkeeping
     missed: int = 0  # drafts that did not come within their deadline
     sessions: int = 0  # draft sessions opened
+    requests: int = 0  # vLLM requests seen (a preempted one that comes back counts again)
+    requests_drafted: int = 0  # of them, those given a draft at one step at least
     errors: int = 0  # a stream's step that failed (a refusal, a fault): its row decoded alone, its session closed
     expand_kernel: str = ""  # vLLM's expand kernel: correct, repaired, broken or unchecked (vllm/kernels.py)
 
@@ -99,6 +103,7 @@ class Proposer:
         self.alone = self._shares_cores()
         self.cfg = DraftConfig(depth=self.k)
         self.streams: list[Stream] = []
+        self.connections = Connections(self.settings.keys)  # one per draft server, shared by every request's session
         self.step = 0  # propose() calls so far
         self.returned: float | None = None  # when the last propose() returned (perf_counter s)
         self.counters = Counters(expand_kernel=self.expand_kernel)
@@ -222,6 +227,8 @@ class Proposer:
                 stream.asked_for = None
                 stream.given = False
                 stream.holds = False
+                stream.undrafted = True
+                self.counters.requests += 1
                 busy.add(id(stream))
                 taken[c.row] = stream
         for stream in self.streams:
@@ -235,7 +242,7 @@ class Proposer:
     def _open(self) -> Stream:
         name = f"vllm-{len(self.streams)}"
         client = DraftClient(for_target(self.settings.connect, len(self.streams)), self.fingerprint, name,
-                             timeout_s=self.settings.timeout_s, keys=self.settings.keys)
+                             timeout_s=self.settings.timeout_s, keys=self.settings.keys, connections=self.connections)
         client.try_hello(wait_s=0.5)  # a server that is away: the session opens later (RemoteDrafter)
         cohosted = {"auto": None, "yes": True, "no": False}[self.settings.cohosted]
         stream = Stream(RemoteDrafter(client, cohosted), DepthPolicy(self.k))
@@ -313,6 +320,9 @@ class Proposer:
         cost (None: none to count); `asked`: the depth it was asked for at this step (None: asked
         earlier, or waited for: `depth`)."""
         chain = chain_of(tree.truncate(depth))
+        if chain and stream.undrafted:
+            stream.undrafted = False
+            self.counters.requests_drafted += 1
         stream.asked = len(chain)
         stream.asked_for = asked if asked is not None else depth if waited_ms is not None else None
         stream.draft_ms = waited_ms
@@ -330,6 +340,7 @@ class Proposer:
         for stream in self.streams:
             stream.drafter.client.close()
         self.streams = []
+        self.connections.close()
 
 
 SUPPORTED = ("0.32.", "0.33.")  # vLLM releases whose custom_class interface the plug-in follows
