@@ -4,7 +4,8 @@ vLLM and StarSD's own engines need different transformers releases (README, vLLM
 
 RUN.json: {"model", "dtype", "speculative" (vLLM's --speculative-config, or null), "prompts"
 (token ids each), "max_tokens", "temperature", "seed" (each request's; null: none, so that copies of a
-prompt sample apart, from the engine's generator seeded 0), "ignore_eos", "max_num_seqs", "logprobs", "warm_up" (true: a 2-token request before the timed run)}.
+prompt sample apart, from the engine's generator seeded 0), "ignore_eos", "max_num_seqs", "logprobs",
+"warm_up" (true, by default: a 2-token request before the timed run)}.
 Prints one JSON line: each prompt's token ids (and with "logprobs" > 0 each step's top logprobs),
 the seconds and tokens/s of the timed run, vLLM's own speculative counters.
 """

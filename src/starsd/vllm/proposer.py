@@ -8,7 +8,8 @@ out. So whatever the server drafts, vLLM's output is its own.
         '{"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": 4}'
 
 Each vLLM request is a session on the draft server (rows.py tells them apart), all of them on one
-connection per draft server with one heartbeat (star/connection.py), drafting as a target server's stream does: its depth chosen each step from measured costs (spec_decode/depth.py), drafts asked
+connection per draft server with one heartbeat (star/connection.py), drafting as a target server's
+stream does: its depth chosen each step from measured costs (spec_decode/depth.py), drafts asked
 ahead of the step that uses them where the server is on another host, several servers with
 failover, CurveZMQ keys (config.ProposerSettings). It fails open: a draft server that is slow, gone
 or refuses gives empty drafts for that step, and vLLM decodes on.
