@@ -214,3 +214,29 @@ def test_beside_a_server_on_its_own_cores_vllm_decodes_alone_unless_told(server,
     for told in ({"cohosted": "no"}, {"cohosted_drafts": True}):
         got, sessions = drafts(ProposerSettings(connect=server, timeout_s=10.0, adaptive=False, **told))
         assert all(got) and sessions == 2, told
+
+
+def test_a_server_of_another_vocabulary_is_said_once_and_vllm_decodes_alone(server, caplog):
+    """Hellos refused for good (vocab_mismatch): an error line for each request of the step that met it,
+    the rows decode alone from then on, and no line at a later step."""
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = Proposer(vllm_config, ProposerSettings(connect=server, timeout_s=10.0, adaptive=False,
+                                                      cohosted_drafts=True), fingerprint="e" * 64)
+    tokens = np.tile(np.arange(1, 65, dtype=np.int64), (3, 1))
+    tokens[:, 5] = [7, 8, 9]
+    caplog.clear()  # (the plug-in's line about vLLM's kernel, absent here)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")
+                and r.name != "starsd.server"]
+
+    with caplog.at_level("INFO", logger="starsd"):
+        for n in range(6, 12):
+            assert proposer.propose([[int(tokens[i, n - 1])] for i in range(3)], np.array([n] * 3), tokens) == [[]] * 3
+            if n == 6:
+                first = said()
+    assert 1 <= len(first) <= 3 and all("vocab_mismatch" in line for line in first)  # a line a request at most
+    assert said() == first and proposer.alone  # and none at a later step
+    assert proposer.streams == [] and len(proposer.connections) == 0
+    proposer.close()

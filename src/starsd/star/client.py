@@ -27,6 +27,8 @@ log = logging.getLogger("starsd.client")
 
 # Refusals after which a target decodes alone and asks again later: the server is absent, or full.
 GO_ON_ALONE = ("busy", "unreachable", "timeout", "too_many_sessions", "kv_full", "bad_reply")
+# Refused hellos that no retry mends: the target and the server do not belong together.
+MISCONFIGURED = ("version", "vocab_mismatch")
 
 
 class DraftServerError(StarsdError, RuntimeError):

@@ -18,7 +18,7 @@ from starsd.config import DraftConfig, SamplingConfig
 from starsd.spec_decode.sparse_q import SparseQ
 from starsd.spec_decode.tree import DraftTree
 from starsd.star import protocol as P
-from starsd.star.client import GO_ON_ALONE, DraftClient, DraftServerError
+from starsd.star.client import GO_ON_ALONE, MISCONFIGURED, DraftClient, DraftServerError
 from starsd.star.hosts import server_on_this_host, shares_cores
 
 log = logging.getLogger("starsd.client")
@@ -152,6 +152,7 @@ class RemoteDrafter:
         self.down = not client.tag  # no session (the server stopped answering, or never admitted one):
         # drafts are empty until a new session opens
         self.outages = 0
+        self.misconfigured: DraftServerError | None = None  # the server refused this target for good (MISCONFIGURED)
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = 0.0
         # when the Hello of a new session went out (None: none in flight; a start's try_hello may have left one)
@@ -386,6 +387,12 @@ class RemoteDrafter:
             given_up = welcome is None and time.monotonic() - self._hello_at > patience_s
             why = "no Welcome"
         except DraftServerError as e:  # refused (full) or unreachable
+            if e.code in MISCONFIGURED:  # no retry mends it: decoding alone from now on, said once
+                log.error("%s: %s; decoding alone", self.client.name, e)
+                self.misconfigured = e
+                self._retry_at = math.inf
+                self._hello_at = None
+                return False
             log.info("%s: no new draft session yet (%s)", self.client.name, e)
             welcome = None
             given_up = True

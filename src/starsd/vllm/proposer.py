@@ -29,7 +29,7 @@ from starsd.config import DraftConfig, ProposerSettings, SamplingConfig
 from starsd.models.loading import vocab_fingerprint
 from starsd.spec_decode.depth import Decision, DepthPolicy, Source
 from starsd.spec_decode.tree import DraftTree
-from starsd.star.client import DraftClient, for_target
+from starsd.star.client import MISCONFIGURED, DraftClient, DraftServerError, for_target
 from starsd.star.connection import Connections
 from starsd.star.hosts import server_on_this_host
 from starsd.star.remote_drafter import RemoteDrafter, RemoteSequence
@@ -135,6 +135,8 @@ class Proposer:
         its committed tokens, those included."""
         started = time.perf_counter()
         if self.alone:
+            if self.streams:  # (a server that refused this engine for good: MISCONFIGURED)
+                self.close()
             return [[] for _ in sampled_token_ids]
         try:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, started)
@@ -190,8 +192,11 @@ class Proposer:
         try:
             return step(*args)
         except Exception as e:
-            log.warning("%s: its draft failed (%s: %s); its row decodes alone and its session starts afresh",
-                        stream.drafter.client.name, type(e).__name__, e)
+            if isinstance(e, DraftServerError) and e.code in MISCONFIGURED:  # no step can mend it: said once
+                self.alone = True  # (the drafter said it)
+            else:
+                log.warning("%s: its draft failed (%s: %s); its row decodes alone and its session starts afresh",
+                            stream.drafter.client.name, type(e).__name__, e)
             self.counters.errors += 1
             stream.drafter.client.close()
             self.streams = [st for st in self.streams if st is not stream]
@@ -244,7 +249,12 @@ class Proposer:
         name = f"vllm-{len(self.streams)}"
         client = DraftClient(for_target(self.settings.connect, len(self.streams)), self.fingerprint, name,
                              timeout_s=self.settings.timeout_s, keys=self.settings.keys, connections=self.connections)
-        client.try_hello(wait_s=0.5)  # a server that is away: the session opens later (RemoteDrafter)
+        try:  # not waited for here: every new request's Hello of a step goes out, one after another, before
+            # the first draft waits for its Welcome (RemoteDrafter), and the others find theirs come meanwhile.
+            # Each waited for in turn, 16 new requests held a step for 16 of the server's rounds.
+            client.send_hello()
+        except DraftServerError as e:  # a server that is away: the session opens later (RemoteDrafter)
+            log.info("%s: no hello sent yet (%s)", name, e)
         cohosted = {"auto": None, "yes": True, "no": False}[self.settings.cohosted]
         stream = Stream(RemoteDrafter(client, cohosted), DepthPolicy(self.k))
         stream.policy.server_prior(stream.drafter.level_ms)
@@ -287,6 +297,8 @@ class Proposer:
         stream.cfg = replace(self.cfg, min_path_prob=decision.stop) if self.settings.adaptive else self.cfg
         stream.ingests = seq.sent == 0 and not seq.pending
         tree = drafter.propose(seq, new, stream.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0, more=more)
+        if drafter.misconfigured:
+            raise drafter.misconfigured
         stream.holds = True
         if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
             return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
