@@ -64,6 +64,7 @@ FIELDS = {  # every message's header fields, each drawn with its declared type (
                          st.integers(-1, 40), sampling_map, st.lists(text, max_size=5), st.booleans()),
     P.MsgType.OUTPUT: (ints, text, ints, ints, ints, text, ints), P.MsgType.CANCEL: (ints,),
     P.MsgType.DRAFT_MOVED: (text | st.just("tcp://10.0.0.1:5555"), text | st.just("ipc:///tmp/d")),
+    P.MsgType.DRAFT_SERVERS: (st.lists(text | st.just("tcp://10.0.0.1:5555"), max_size=3),),
 }
 
 

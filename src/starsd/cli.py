@@ -327,6 +327,7 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     C.add_flags(p, C.PairConfig)
     C.add_flags(p, C.ServerConfig, skip=C.LOCAL_STAR_SKIPS)
     C.add_flags(p, C.DraftConfig, prefix="draft-")
+    C.add_flags(p, C.ElasticConfig, prefix="elastic-")  # with --ray
     C.add_flags(p, C.GatewayKeys)  # with --target-server: for target servers started with --serve-key
 
 
@@ -345,7 +346,7 @@ def cmd_serve(args) -> int:
         return serve_launch.serve_ray(args.ray, C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
                                       C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg,
                                       sock, args.ray_draft_resources, args.ray_target_resources,
-                                      args.served_model_name, k)
+                                      args.served_model_name, k, C.from_args(C.ElasticConfig, args, prefix="elastic-"))
     return serve_launch.serve_local(C.from_args(C.PairConfig, args), C.from_args(C.ServerConfig, args),
                              C.from_args(C.DraftConfig, args, prefix="draft-"), args.targets, cfg, sock,
                              spec=not args.no_spec, model_name=args.served_model_name, restart=not args.no_restart,

@@ -318,6 +318,29 @@ LOCAL_STAR_SKIPS = ("bind", "curve_key", "curve_clients", "insecure")  # a local
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Draft capacity that follows load on Ray (star/elastic.py): the servers' bounds and the rule's thresholds."""
+
+    max_servers: int = setting(0, "draft servers at most: a controller adds one while every server is saturated and "
+                               "retires one while fewer would do (0: off, --draft-servers fixed)")
+    min_servers: int = setting(1, "draft servers at least, with a controller")
+    high: float = setting(0.85, "utilisation from which every server counts as saturated (a server is added)")
+    low: float = setting(0.5, "utilisation up to which one server fewer would still do (a server is retired)")
+    window: int = setting(3, "readings a decision looks at")
+    cooldown_s: float = setting(30.0, "seconds after a change before the next")
+    interval_s: float = setting(2.0, "seconds between readings of the servers' counters")
+    drain_s: float = setting(30.0, "seconds a retired server is given for its sessions to move before it stops")
+
+    def __post_init__(self):
+        if self.max_servers and not 1 <= self.min_servers <= self.max_servers:
+            raise SettingError(f"need 1 <= min_servers <= max_servers, not {self.min_servers}, {self.max_servers}")
+        if not 0 <= self.low < self.high <= 1:
+            raise SettingError(f"need 0 <= low < high <= 1, not {self.low}, {self.high}")
+        if self.window < 1 or self.interval_s <= 0 or self.cooldown_s < 0 or self.drain_s < 0:
+            raise SettingError("need window >= 1, interval_s > 0, cooldown_s >= 0 and drain_s >= 0")
+
+
+@dataclass(frozen=True)
 class ClientKeys:
     """A target's keys for a draft server that requires authentication (star/security.py)."""
 

@@ -110,6 +110,7 @@ def valid_message(rng: random.Random) -> tuple[msgspec.Struct, tuple[torch.Tenso
         P.Generate(tag, None, (P.Message("user", "hi"),), 16, GREEDY),
         P.MsgType.OUTPUT: P.Output(tag, "x", 1, 2, 1), P.MsgType.CANCEL: P.Cancel(tag),
         P.MsgType.DRAFT_MOVED: P.DraftMoved("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
+        P.MsgType.DRAFT_SERVERS: P.DraftServers(tuple(f"tcp://127.0.0.1:{i + 1}" for i in range(1 + n % 3))),
     }[kind], ()
 
 

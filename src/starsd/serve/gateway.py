@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from starsd.config import ClientKeys, GatewayKeys
 from starsd.errors import SettingError, Unavailable
-from starsd.serve.metrics import DraftServerCollector, GatewayMetrics, RestartsCollector
+from starsd.serve.metrics import DraftServerCollector, ElasticCollector, GatewayMetrics, RestartsCollector
 from starsd.serve.openai_api import ApiError, ChatRequest, CompletionRequest, Response, Tally
 from starsd.serve.pool import Overloaded, Pool, TargetFailed
 from starsd.star import security
@@ -68,8 +68,9 @@ class Gateway:
     a free stream slot of a target from the Pool (or wait, or 503), relay its Outputs whole or as
     SSE chunks, and count what happened in the metrics."""
 
-    def __init__(self, cfg: GatewayConfig, restarts: Callable[[], dict[str, int]] | None = None):
-        """`restarts`: a local star's restart counts by kind of process, for /metrics."""
+    def __init__(self, cfg: GatewayConfig, restarts: Callable[[], dict[str, int]] | None = None, elastic=None):
+        """`restarts`: a local star's restart counts by kind of process, for /metrics; `elastic`: a function
+        giving the elastic controller (star/elastic.py) or None, for /metrics."""
         self.cfg = cfg
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, max_position=64)
@@ -77,6 +78,8 @@ class Gateway:
         self.registry.register(DraftServerCollector(lambda: draft_server_snapshots(self.draft_servers, cfg.draft_keys)))
         if restarts:
             self.registry.register(RestartsCollector(restarts))
+        if elastic:
+            self.registry.register(ElasticCollector(elastic))
         self.pool: Pool | None = None  # made inside the event loop (lifespan)
 
     async def open(self) -> None:
@@ -96,6 +99,12 @@ class Gateway:
         """A draft server of the star runs at `new` now: /metrics reads it there, and every target is told."""
         self.draft_servers = ",".join(new if a == old else a for a in self.draft_servers.split(","))
         self.pool.draft_moved(old, new)
+
+    def draft_servers_listed(self, addresses: list[str]) -> None:
+        """The star's draft servers are `addresses` now (star/elastic.py): /metrics reads them all, and
+        every target is told."""
+        self.draft_servers = ",".join(addresses)
+        self.pool.draft_servers(addresses)
 
     async def api_error(self, request: Request, e: ApiError):
         outcome = "rejected" if e.status == 503 else "invalid" if e.status < 500 else "error"
@@ -294,11 +303,13 @@ def read_api_key(api_key: str, api_key_file: str) -> str:
     return key
 
 
-def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None, moves=None) -> None:
+def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None, moves=None, elastic=None) -> None:
     """Serve on `sock` (from listen) until SIGINT or SIGTERM, then return: first every target must
     describe itself, then uvicorn serves. `moves`, if given, is called once the targets are in, with a
     function moved(kind, old, new) to call from any thread when the address of a target server (kind
-    "target") or of a draft server ("draft") changes (a Ray actor started again on another node).
+    "target") or of a draft server ("draft") changes (a Ray actor started again on another node), or
+    when the star's draft servers are others (kind "listed", `new` their addresses: star/elastic.py).
+    `elastic`: a function giving the elastic controller (or None), for /metrics.
     uvicorn shuts down gracefully on either signal and then raises it again with the handler it
     found: that one is made a no-op, so the caller's cleanup runs and the process exits 0."""
     import signal
@@ -307,14 +318,20 @@ def run(cfg: GatewayConfig, sock: socket.socket, on_ready=None, restarts=None, m
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    gateway = Gateway(cfg, restarts)
+    gateway = Gateway(cfg, restarts, elastic)
 
     async def main():
         await gateway.open()
         if moves:
             loop = asyncio.get_running_loop()
-            moves(lambda kind, old, new: loop.call_soon_threadsafe(
-                gateway.pool.readdress if kind == "target" else gateway.draft_moved, old, new))
+            def moved(kind: str, old, new) -> None:
+                if kind == "listed":
+                    loop.call_soon_threadsafe(gateway.draft_servers_listed, new)
+                else:
+                    loop.call_soon_threadsafe(gateway.pool.readdress if kind == "target" else gateway.draft_moved,
+                                              old, new)
+
+            moves(moved)
         server = uvicorn.Server(uvicorn.Config(make_app(gateway), log_level="warning", lifespan="off"))
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))

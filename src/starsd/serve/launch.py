@@ -15,7 +15,7 @@ import json
 import socket
 import sys
 
-from starsd.config import DraftConfig, PairConfig, ServerConfig
+from starsd.config import DraftConfig, ElasticConfig, PairConfig, ServerConfig
 from starsd.serve import gateway
 from starsd.star.launch import Star, check_models, share_cores, start_server, target_server_command
 from starsd.star.processes import free_port, read_json_line, spawn
@@ -67,7 +67,9 @@ def serve_local(pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: i
 
 def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
               cfg: gateway.GatewayConfig, sock: socket.socket, draft_resources: dict, target_resources: dict,
-              model_name: str = "", draft_servers: int = 1) -> int:
+              model_name: str = "", draft_servers: int = 1, elastic: ElasticConfig = ElasticConfig()) -> int:
+    """`elastic`: with max_servers, a controller adds and retires draft servers by load (star/elastic.py)."""
+    from starsd.star.elastic import Controller
     from starsd.star.ray_cluster import RayStar
 
     print(f"placing {draft_servers} draft server{'s' if draft_servers > 1 else ''} and {n} target servers on the "
@@ -77,16 +79,29 @@ def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: Draft
     try:
         cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address,
                                   keys=star.keys.gateway, draft_keys=star.keys.draft_stats)
-        return serve_remote(cfg, sock, restarts=star.restarts, moves=star.watch)
+        controller = None
+
+        def moves(tell) -> None:  # (called once the gateway listens)
+            nonlocal controller
+            star.watch(tell)
+            if elastic.max_servers:
+                controller = Controller(star, elastic, lambda addresses: tell("listed", None, addresses),
+                                        star.keys.draft_stats)
+                controller.start()
+
+        return serve_remote(cfg, sock, restarts=star.restarts, moves=moves, elastic=lambda: controller)
     finally:
+        if controller is not None:
+            controller.stop()
         star.close()
 
 
 def serve_remote(cfg: gateway.GatewayConfig, sock: socket.socket, metrics: dict | None = None,
-                 restarts=None, moves=None) -> int:
+                 restarts=None, moves=None, elastic=None) -> int:
     """The gateway alone, on `sock` (gateway.listen); `metrics`: the star's own metrics endpoints,
     announced in the ready line; `restarts`: the star's restart counts (local or on Ray), for /metrics;
-    `moves`: what tells the gateway of target and draft servers at new addresses (RayStar.watch; gateway.run)."""
+    `moves`: what tells the gateway of target and draft servers at new addresses (RayStar.watch; gateway.run);
+    `elastic`: the elastic controller, if any, for /metrics (a function: it starts with the gateway)."""
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
 
@@ -96,5 +111,5 @@ def serve_remote(cfg: gateway.GatewayConfig, sock: socket.socket, metrics: dict 
         print(f"serving the star on http://{host}:{port}/v1 ({len(cfg.targets)} targets); Ctrl-C stops it",
               file=sys.stderr, flush=True)
 
-    gateway.run(cfg, sock, on_ready=ready, restarts=restarts, moves=moves)
+    gateway.run(cfg, sock, on_ready=ready, restarts=restarts, moves=moves, elastic=elastic)
     return 0

@@ -174,6 +174,27 @@ class RestartsCollector:
         yield family
 
 
+class ElasticCollector:
+    """The elastic controller's decisions and the draft servers it runs (star/elastic.py)."""
+
+    ACTIONS = ("add", "retire")
+
+    def __init__(self, controller: Callable):
+        self.controller = controller  # gives the controller, or None before it starts
+
+    def collect(self):
+        controller = self.controller()
+        if controller is None:
+            return
+        family = CounterMetricFamily("starsd:elastic_decisions", "draft servers added and retired by the elastic "
+                                     "controller", labels=["action"])
+        for action in self.ACTIONS:
+            family.add_metric([action], controller.counts.decisions.get(action, 0))
+        yield family
+        yield GaugeMetricFamily("starsd:elastic_draft_servers", "draft servers the elastic controller runs",
+                                value=controller.counts.servers)
+
+
 def serve_metrics(port: int, collector) -> None:
     """Serve one collector's metrics at http://0.0.0.0:PORT/metrics (a daemon thread)."""
     from prometheus_client import start_http_server

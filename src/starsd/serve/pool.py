@@ -230,6 +230,7 @@ class Pool:
         self.failed: list[TargetLink] = []  # out of service: lost, or silent past a step deadline
         self._reviving: dict[TargetLink, asyncio.Task] = {}
         self.draft_moves: list[tuple[str, str]] = []  # (old, new) of each draft server that moved, in order
+        self.listed: tuple[str, ...] = ()  # the draft servers last listed to the targets (draft_servers; (): none)
         self._ids = itertools.count(1)
 
     async def start(self, timeout_s: float) -> None:
@@ -362,10 +363,21 @@ class Pool:
         for link in self.links:
             link.tell(P.DraftMoved(old, new))
 
+    def draft_servers(self, addresses: list[str]) -> None:
+        """The star's draft servers are `addresses` now (one added, or one retired: star/elastic.py):
+        every target is told (DraftServers), and every target that joins later (_tell_moves)."""
+        log.warning("the star's draft servers are now %s: telling the %d targets", ",".join(addresses), len(self.links))
+        self.listed = tuple(addresses)
+        for link in self.links:
+            link.tell(P.DraftServers(self.listed))
+
     def _tell_moves(self, link: TargetLink) -> None:
-        """Every draft server move so far, in order (a chain of them included), to a target that joins."""
+        """Every draft server move so far, in order (a chain of them included), then the servers listed
+        last, to a target that joins."""
         for old, new in self.draft_moves:
             link.tell(P.DraftMoved(old, new))
+        if self.listed:
+            link.tell(P.DraftServers(self.listed))
 
     def _out_of_service(self, link: TargetLink) -> None:
         if link not in self.failed:

@@ -256,6 +256,25 @@ class DraftClient:
             self.loads.readdress(old, new)
         return True
 
+    def relist(self, addresses: list[str]) -> None:
+        """From any thread: the star's draft servers are `addresses` now (one added, or one retired:
+        star/elastic.py). The thread that uses the client follows at its next request: a session on a
+        server no longer listed moves (`retired`), and the loads spread the sessions onto one added."""
+        listed = [a for a in addresses if a]
+        if not listed:
+            return
+        if self.loads is None and len(listed) > 1:
+            self.loads = self.connections.loads(listed) if self.connections is not None else Loads(listed, self.keys)
+            if self.connections is None:
+                self.loads.start()
+        elif self.loads is not None:
+            self.loads.relist(listed)
+        self.addresses = listed  # one rebinding: readers see either list
+
+    def retired(self) -> bool:
+        """Whether the server this client talks to is no longer one of the star's (relist)."""
+        return self.address not in self.addresses and self.address not in self._moved
+
     def moved_to(self) -> str | None:
         """Where the server this client talks to runs now, if it moved (readdress); else None."""
         address = self.address

@@ -46,6 +46,7 @@ class Loads(threading.Thread):
         self._first = threading.Event()
         self._stop_event = threading.Event()
         self._moves: list[tuple[str, str]] = []  # (old, new) not yet applied by the thread (readdress)
+        self._relisted: list[str] | None = None  # the servers to ping from now on, not yet applied (relist)
 
     def held(self) -> dict[str, int]:
         """Sessions held by each server that answered within fresh_s."""
@@ -55,6 +56,10 @@ class Loads(threading.Thread):
     def readdress(self, old: str, new: str) -> None:
         """From any thread: the server at `old` is pinged at `new` from the next round on."""
         self._moves.append((old, new))
+
+    def relist(self, addresses: list[str]) -> None:
+        """From any thread: these servers are pinged from the next round on (one added, or one retired)."""
+        self._relisted = list(addresses)
 
     def wait_first(self, timeout_s: float) -> None:
         """Until the first round's answers are in (or timeout_s)."""
@@ -79,6 +84,16 @@ class Loads(threading.Thread):
                             socks[new] = security.connect(ctx, new, self.keys, send_hwm=4)
                             poller.register(socks[new], zmq.POLLIN)
                         self.addresses = [new if a == old else a for a in self.addresses]
+                if (relisted := self._relisted) is not None:
+                    self._relisted = None
+                    for gone in set(socks) - set(relisted):
+                        poller.unregister(socks[gone])
+                        socks.pop(gone).close(0)
+                        self._seen.pop(gone, None)
+                    for new in set(relisted) - set(socks):
+                        socks[new] = security.connect(ctx, new, self.keys, send_hwm=4)
+                        poller.register(socks[new], zmq.POLLIN)
+                    self.addresses = relisted
                 by_sock = {sock: a for a, sock in socks.items()}
                 for sock in socks.values():
                     try:

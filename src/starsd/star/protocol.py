@@ -15,7 +15,7 @@ and told apart by tag: its Welcome and refusals echo the number, one Ping carrie
 draft's q travels as each node's support (spec_decode/sparse_q.py); a server drafting with an
 EAGLE head names in its Welcome the target features it needs (`taps`), which each request then
 carries (`features_to_wire`). A target server (star/target_server.py) speaks the same wire to the
-gateway: Describe -> TargetInfo; Generate -> an Output per target step; Cancel; DraftMoved.
+gateway: Describe -> TargetInfo; Generate -> an Output per target step; Cancel; DraftMoved; DraftServers.
 Every message and field: docs/protocol.md.
 """
 
@@ -38,7 +38,8 @@ PROTOCOL_VERSION = 10  # 2: settings travel by name, as DraftConfig and Sampling
 # level_ms; 5: and its sessions of targets on its own host (`local`); 6: a draft request may say where its chain
 # stops (`stop`: the stream's depth policy chooses it per step); 7: Welcome says the server's ingest_ms; 8: Welcome
 # and Pong say its wait_ms; 9: a draft request may say that more of its sender's follow at once (`more`); 10: a
-# connection holds a session per Hello `stream` (one engine, one connection), and a Ping carries many `tags`
+# connection holds a session per Hello `stream` (one engine, one connection), a Ping carries many `tags`, and
+# DraftServers lists the star's draft servers to its targets (star/elastic.py)
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -50,6 +51,7 @@ MAX_PROMPT_CHARS = 1 << 20  # a Generate's prompt text, or all its messages toge
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
 MAX_ADDRESS_CHARS = 256  # a ZeroMQ address in a DraftMoved
+MAX_SERVERS = 256  # draft servers in a DraftServers
 MAX_MESSAGES = 1 << 14  # a Generate's chat messages: each costs template tokens, so more fit no context
 MAX_MORE = 1 << 16  # a draft request's `more`
 MAX_STREAM = (1 << 62) - 1  # a Hello's stream number
@@ -92,6 +94,7 @@ class MsgType(enum.IntEnum):
     OUTPUT = 14
     CANCEL = 15
     DRAFT_MOVED = 16
+    DRAFT_SERVERS = 17
 
 
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -259,12 +262,21 @@ class DraftMoved(msgspec.Struct, array_like=True, frozen=True):
     new: Address
 
 
+class DraftServers(msgspec.Struct, array_like=True, frozen=True):
+    """The star's draft servers from now on (a server added, or one retired: star/elastic.py). No
+    answer: each draft session places itself among them, a session on a server no longer listed
+    moving at its next step with its whole prefix (no token lost)."""
+
+    addresses: Annotated[tuple[Address, ...], msgspec.Meta(min_length=1, max_length=MAX_SERVERS)]
+
+
 STRUCTS: dict[MsgType, type] = {
     MsgType.HELLO: Hello, MsgType.WELCOME: Welcome, MsgType.DRAFT_REQUEST: DraftRequest,
     MsgType.DRAFT_REPLY: DraftReply, MsgType.BYE: Bye, MsgType.ERROR: Error, MsgType.PING: Ping,
     MsgType.PONG: Pong, MsgType.STATS_REQUEST: StatsRequest, MsgType.STATS: Stats,
     MsgType.DESCRIBE: Describe, MsgType.TARGET_INFO: TargetInfo, MsgType.GENERATE: Generate,
     MsgType.OUTPUT: Output, MsgType.CANCEL: Cancel, MsgType.DRAFT_MOVED: DraftMoved,
+    MsgType.DRAFT_SERVERS: DraftServers,
 }
 TYPES = {cls: t for t, cls in STRUCTS.items()}
 _ENCODER = msgspec.msgpack.Encoder()

@@ -160,9 +160,13 @@ class RayStar:
     target_addresses: list[str]  # where each target server runs now (ditto)
     actors: list  # the draft servers' actors, then the targets'
     keys: StarKeys
+    draft_cmd: list[str] = dataclasses.field(default_factory=list)  # what a draft server actor runs (one added)
+    draft_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     moves: dict[str, int] = dataclasses.field(default_factory=dict)  # actors started again elsewhere (their node
     # lost), by kind of process
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # the lists above: the watch, and
+    # draft servers added and stopped (star/elastic.py)
 
     @classmethod
     def start(cls, address: str, pair: PairConfig, server: ServerConfig, draft: DraftConfig, n: int,
@@ -192,12 +196,44 @@ class RayStar:
         except BaseException:
             cls([], [], actors, keys).close()
             raise
-        return cls(drafts, addresses, actors, keys)
+        return cls(drafts, addresses, actors, keys, draft_cmd, draft_resources)
 
     @property
     def draft_address(self) -> str:
         """Every draft server's address as it runs now, comma-separated."""
         return ",".join(self.draft_addresses)
+
+    def draft_servers(self) -> list[str]:
+        with self._lock:
+            return list(self.draft_addresses)
+
+    def add_draft_server(self) -> str:
+        """One more draft server actor, as the first were started; its address once it is ready."""
+        ray = _ray()
+        actor = ray.remote(StarProcess).options(**_options(self.draft_resources)).remote(self.draft_cmd,
+                                                                                        self.keys.files("draft"))
+        try:
+            address = ray.get(actor.where.remote())
+        except BaseException:
+            ray.kill(actor)
+            raise
+        with self._lock:
+            self.actors.insert(len(self.draft_addresses), actor)
+            self.draft_addresses.append(address)
+        return address
+
+    def stop_draft_server(self, address: str) -> None:
+        """Stop the draft server at `address` and its actor (its sessions moved first: star/elastic.py)."""
+        ray = _ray()
+        with self._lock:
+            i = self.draft_addresses.index(address)
+            actor = self.actors.pop(i)
+            del self.draft_addresses[i]
+        try:
+            ray.get(actor.stop.remote(), timeout=60)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+        ray.kill(actor)
 
     def watch(self, moved, interval_s: float = 2.0) -> None:
         """Every interval_s, on a thread of its own, ask the actors where their processes run, and
@@ -205,23 +241,27 @@ class RayStar:
         another node, its node lost; kind "draft" or "target"). An actor still being started again
         does not answer in time: it is asked again the next round."""
         ray = _ray()
-        kinds = [("draft", self.draft_addresses), ("target", self.target_addresses)]
 
         def run():
             while not self._stop.wait(interval_s):
-                actors = iter(self.actors)  # the draft servers', then the targets'
-                for kind, addresses in kinds:
-                    for i, actor in zip(range(len(addresses)), actors):
-                        try:
-                            now = ray.get(actor.where.remote(), timeout=interval_s)
-                        except (ray.exceptions.RayError, TimeoutError):
+                with self._lock:  # the draft servers' actors, then the targets'
+                    k = len(self.draft_addresses)
+                    placed = ([("draft", a, at) for a, at in zip(self.actors, self.draft_addresses)]
+                              + [("target", a, at) for a, at in zip(self.actors[k:], self.target_addresses)])
+                for kind, actor, old in placed:
+                    try:
+                        now = ray.get(actor.where.remote(), timeout=interval_s)
+                    except (ray.exceptions.RayError, TimeoutError):
+                        continue
+                    with self._lock:
+                        addresses = self.draft_addresses if kind == "draft" else self.target_addresses
+                        if now == old or old not in addresses:  # (a draft server retired meanwhile)
                             continue
-                        if now != addresses[i]:
-                            old, addresses[i] = addresses[i], now
-                            name = f"{kind}-server"
-                            log.warning("%s %d was started again at %s (its node lost; it was at %s)", name, i, now, old)
-                            moved(kind, old, now)
-                            self.moves[name] = self.moves.get(name, 0) + 1  # (counted once the gateway is told)
+                        addresses[addresses.index(old)] = now
+                    name = f"{kind}-server"
+                    log.warning("a %s was started again at %s (its node lost; it was at %s)", name, now, old)
+                    moved(kind, old, now)
+                    self.moves[name] = self.moves.get(name, 0) + 1  # (counted once the gateway is told)
 
         threading.Thread(target=run, name="starsd-ray-watch", daemon=True).start()
 

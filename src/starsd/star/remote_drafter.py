@@ -315,6 +315,8 @@ class RemoteDrafter:
         (waiting for the Welcome only with `wait`)."""
         if (to := self.client.moved_to()) is not None:
             self._follow(seq, to)
+        if self.client.retired():  # the star no longer lists its server (star/elastic.py): it drains
+            self._relocate(seq, "its server is retired", None, outage=False)
         if not self.down and self.client.session_gone():
             self._lost(seq, DraftServerError("unknown_session", "the heartbeat's replies say the session is gone"))
         if not self.down and not self.client.reachable(patience=3.0):  # noticed without a request (a target
@@ -350,10 +352,10 @@ class RemoteDrafter:
         self.rebalanced += 1
         self._relocate(seq, "the sessions are spread unevenly", to, outage=False)
 
-    def _relocate(self, seq: RemoteSequence, why: str, to: str, outage: bool) -> None:
-        """A hello at `to` at once (no round of servers tried: no backoff), then a reset with the whole
-        accepted prefix, as after a loss. `outage`: counted as one, unless the session was down already
-        (a loss to the old address's silence was counted then)."""
+    def _relocate(self, seq: RemoteSequence, why: str, to: str | None, outage: bool) -> None:
+        """A hello at `to` (None: the least loaded other) at once (no round of servers tried: no backoff),
+        then a reset with the whole accepted prefix, as after a loss. `outage`: counted as one, unless
+        the session was down already (a loss to the old address's silence was counted then)."""
         if not self.down:
             self._down_at = time.monotonic()
             self.outages += outage

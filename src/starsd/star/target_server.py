@@ -10,7 +10,7 @@ stream tokens as they are accepted.
 The main thread owns the ROUTER socket: it answers Describe and Ping at once, hands a Generate to
 a free slot (or refuses it as busy when every slot holds a stream), marks a Cancel for its stream
 (which ends after the step in progress), tells the slots' draft clients of a draft server that moved
-(DraftMoved, from a gateway), and sends what the workers put on an inproc socket. Each
+(DraftMoved and DraftServers, from a gateway), and sends what the workers put on an inproc socket. Each
 slot keeps one depth policy over its streams, so what it learns carries over.
 """
 
@@ -178,6 +178,11 @@ class TargetServer:
         elif isinstance(msg, P.DraftMoved):  # each slot's session follows at its next step (RemoteDrafter)
             if any([slot.client.readdress(msg.old, msg.new) for slot in self.slots if slot.client]):
                 log.warning("%s: draft server %s moved to %s", self.name, msg.old, msg.new)
+        elif isinstance(msg, P.DraftServers):  # each slot's session places itself among them at its next step
+            for slot in self.slots:
+                if slot.client:
+                    slot.client.relist(list(msg.addresses))
+            log.warning("%s: the star's draft servers are now %s", self.name, ",".join(msg.addresses))
         elif isinstance(msg, P.Generate):
             free = next((slot for slot in self.slots if slot.stream is None), None)
             if free is None:

@@ -1,0 +1,165 @@
+"""Draft capacity that follows load: a controller that adds a draft server when the star's servers
+are saturated and retires one when they idle, within bounds and after a cool-down.
+
+What it reads, every `interval_s`: each draft server's counters (a StatsRequest): its busy time for
+requests (pre-drafting not counted), hence its utilisation over the last interval.
+The rule (`decide`, pure):
+- add: over the last `window` readings every server was busy at least `high` of the time (drafts
+  queue: the targets' drafts come late, and their depth policies stop asking, the star past
+  N_full), fewer than `max_servers` run, and `cooldown_s` passed since the last change;
+- retire: over those readings the servers' load would keep one server fewer busy at most `low` of
+  the time (the sum of utilisations over K - 1), more than `min_servers` run, the cool-down passed;
+- else hold.
+Acting (`Controller`): a server is added by its `Servers` (RayStar: an actor started on a node its
+resources allow), then the targets are told the servers (protocol.DraftServers, by the gateway) and
+sessions spread onto it (star/placement.py). A server is retired the other way round: the targets
+are told the servers that remain, each session on it moves with its whole prefix (no token lost),
+and once it holds none (or after `drain_s`) it stops. Every decision is a log line and a counter.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from starsd.config import ClientKeys, ElasticConfig
+from starsd.star.client import query_stats
+
+log = logging.getLogger("starsd.elastic")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "add", "retire" or "hold"
+    why: str
+
+
+def decide(readings: list[list[float]], servers: int, bounds: ElasticConfig, since_change_s: float) -> Decision:
+    """`readings`: the last readings, oldest first, each the utilisation of every server running then
+    (a reading of another number of servers than `servers` is not judged)."""
+    recent = [r for r in readings[-bounds.window:] if len(r) == servers]
+    if len(recent) < bounds.window:
+        return Decision("hold", f"{len(recent)} of {bounds.window} readings of {servers} servers")
+    if since_change_s < bounds.cooldown_s:
+        return Decision("hold", f"cooling down ({since_change_s:.0f} of {bounds.cooldown_s:.0f} s)")
+    least = min(min(r) for r in recent)
+    if least >= bounds.high:
+        if servers >= bounds.max_servers:
+            return Decision("hold", f"saturated (every server busy >= {least:.0%}), at the most servers ({servers})")
+        return Decision("add", f"every server busy >= {least:.0%} of the time over {bounds.window} readings")
+    if servers > bounds.min_servers:
+        fewer = max(sum(r) / (servers - 1) for r in recent)
+        if fewer <= bounds.low:
+            return Decision("retire", f"{servers - 1} servers would be busy {fewer:.0%} of the time at most")
+    return Decision("hold", f"busy {least:.0%} at least, within bounds")
+
+
+class Servers(Protocol):
+    """What the controller starts and stops draft servers with (RayStar, star/ray_cluster.py)."""
+
+    def draft_servers(self) -> list[str]: ...
+
+    def add_draft_server(self) -> str: ...
+
+    def stop_draft_server(self, address: str) -> None: ...
+
+
+@dataclass
+class Counts:
+    """The controller's figures, for /metrics."""
+
+    decisions: collections.Counter = field(default_factory=collections.Counter)  # by action (hold not counted)
+    servers: int = 0
+    last: str = ""  # the last decision's reason
+
+
+class Controller(threading.Thread):
+    """Reads the servers, decides, acts (module docstring). `listed(addresses)`: tells the targets the
+    star's servers (the gateway, from any thread)."""
+
+    def __init__(self, servers: Servers, bounds: ElasticConfig, listed: Callable[[list[str]], None],
+                 keys: ClientKeys = ClientKeys()):
+        super().__init__(name="starsd-elastic", daemon=True)
+        self.servers = servers
+        self.bounds = bounds
+        self.listed = listed
+        self.keys = keys
+        self.counts = Counts(servers=len(servers.draft_servers()))
+        self.readings: collections.deque = collections.deque(maxlen=bounds.window)
+        self._last: dict[str, tuple[float, float]] = {}  # address -> (busy_s, uptime_s) at the last reading
+        self._changed_at = time.monotonic()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.bounds.interval_s):
+            try:
+                self.step()
+            except Exception:  # a reading or an action that failed: the next interval tries again
+                log.exception("the elastic controller's step failed")
+
+    def step(self) -> Decision:
+        addresses = self.servers.draft_servers()
+        reading = self._read(addresses)
+        if reading is not None:
+            self.readings.append(reading)
+        decision = decide(list(self.readings), len(addresses), self.bounds, time.monotonic() - self._changed_at)
+        self.counts.last = decision.why
+        if decision.action == "add":
+            self._add(decision)
+        elif decision.action == "retire":
+            self._retire(addresses[-1], decision)
+        return decision
+
+    def _read(self, addresses: list[str]) -> list[float] | None:
+        """Each server's utilisation since the last reading; None where a server has no reading before
+        this one (just started, restarted) or does not answer."""
+        out: list[float] = []
+        complete = True
+        for address in addresses:
+            snap = query_stats(address, timeout_s=self.bounds.interval_s, keys=self.keys)
+            if snap is None:
+                return None
+            now = (snap["busy_s"], snap["uptime_s"])
+            before = self._last.get(address)
+            self._last[address] = now
+            if before is None or now[1] <= before[1]:
+                complete = False
+                continue
+            out.append((now[0] - before[0]) / (now[1] - before[1]))
+        return out if complete else None
+
+    def _add(self, decision: Decision) -> None:
+        log.warning("adding a draft server: %s", decision.why)
+        address = self.servers.add_draft_server()
+        self._changed(decision, self.servers.draft_servers())
+        log.warning("draft server added at %s: %d now", address, self.counts.servers)
+
+    def _retire(self, address: str, decision: Decision) -> None:
+        log.warning("retiring the draft server at %s: %s", address, decision.why)
+        remaining = [a for a in self.servers.draft_servers() if a != address]
+        self.listed(remaining)  # its sessions move first, each with its whole prefix
+        deadline = time.monotonic() + self.bounds.drain_s
+        while time.monotonic() < deadline and not self._stop_event.is_set():
+            snap = query_stats(address, timeout_s=2.0, keys=self.keys)
+            if snap is None or snap["sessions_open"] == 0:
+                break
+            time.sleep(0.2)
+        self.servers.stop_draft_server(address)
+        self._last.pop(address, None)
+        self._changed(decision, remaining)
+        log.warning("draft server at %s retired: %d now", address, self.counts.servers)
+
+    def _changed(self, decision: Decision, addresses: list[str]) -> None:
+        self.listed(addresses)
+        self.counts.decisions[decision.action] += 1
+        self.counts.servers = len(addresses)
+        self.readings.clear()  # readings of the old number of servers judge nothing now
+        self._changed_at = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=self.bounds.drain_s + 10)

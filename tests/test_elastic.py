@@ -1,0 +1,188 @@
+"""Draft capacity that follows load (star/elastic.py): the rule, sessions that follow the servers the
+star lists (one added: they spread onto it; one retired: they move off it, losing nothing), and the
+controller adding a server under load and retiring it idle, on real draft servers."""
+
+import threading
+import time
+
+import pytest
+
+import tiny
+from starsd.config import DraftConfig, ElasticConfig, SamplingConfig, ServerConfig
+from starsd.errors import SettingError
+from starsd.models.drafter import Drafter
+from starsd.star.client import DraftClient, query_stats
+from starsd.star.elastic import Controller, decide
+from starsd.star.processes import free_port
+from starsd.star.remote_drafter import RemoteDrafter
+from starsd.star.server import DraftServer
+
+FP = "f" * 64
+CFG = DraftConfig(depth=4)
+GREEDY = SamplingConfig()
+RULE = ElasticConfig(max_servers=3, min_servers=1, high=0.8, low=0.4, window=2, cooldown_s=10.0)
+
+
+def test_the_rule_adds_only_when_every_server_is_saturated_and_retires_only_what_the_rest_can_carry():
+    assert decide([[0.9], [0.95]], 1, RULE, 60).action == "add"
+    assert decide([[0.9, 0.95], [0.85, 0.9]], 2, RULE, 60).action == "add"
+    assert decide([[0.9, 0.5], [0.95, 0.6]], 2, RULE, 60).action == "hold"  # one server has room
+    assert decide([[0.9]], 1, RULE, 60).action == "hold"  # one reading of two
+    assert decide([[0.9], [0.95]], 1, RULE, 5).action == "hold"  # cooling down
+    assert decide([[0.9] * 3, [0.95] * 3], 3, RULE, 60).action == "hold"  # at the most servers
+    assert decide([[0.2, 0.1], [0.15, 0.2]], 2, RULE, 60).action == "retire"  # 0.35 on one
+    assert decide([[0.3, 0.2], [0.2, 0.2]], 2, RULE, 60).action == "hold"  # 0.5 on one: too busy
+    assert decide([[0.0], [0.0]], 1, RULE, 60).action == "hold"  # at the fewest
+    assert decide([[0.9], [0.1, 0.1], [0.1, 0.1]], 2, RULE, 60).action == "retire"  # (the 1-server reading: not judged)
+    with pytest.raises(SettingError):
+        ElasticConfig(max_servers=2, min_servers=3)
+    with pytest.raises(SettingError):
+        ElasticConfig(low=0.9, high=0.8)
+
+
+class InProcess:
+    """Real draft servers on threads of this process, started and stopped as the controller says."""
+
+    def __init__(self):
+        self.running: dict[str, tuple[DraftServer, threading.Thread]] = {}
+
+    def draft_servers(self) -> list[str]:
+        return list(self.running)
+
+    def add_draft_server(self) -> str:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        # conftest's "good" drafter, a server's own
+        drafter = Drafter(tiny.perturbed(tiny.tiny_model(seed=1), seed=7, scale=0.1))
+        server = DraftServer(drafter, FP, 128, ServerConfig(bind=address, session_timeout_s=30))
+        self.running[address] = (server, server.start())
+        return address
+
+    def stop_draft_server(self, address: str) -> None:
+        server, thread = self.running.pop(address)
+        server.stop()
+        thread.join(timeout=5)
+
+    def close(self) -> None:
+        for address in list(self.running):
+            self.stop_draft_server(address)
+
+
+class Target(threading.Thread):
+    """A stream drafting with a RemoteDrafter as a target does, each step committing the draft's first
+    token (or a token of its own); `drafts` holds each step's draft for a check against the drafter."""
+
+    def __init__(self, address: str, i: int):
+        super().__init__(daemon=True)
+        self.client = DraftClient(address, FP, f"t{i}", timeout_s=10, heartbeat_s=0.1)
+        self.client.try_hello()
+        self.drafter = RemoteDrafter(self.client, cohosted=False)
+        self.prompt = [(5 * i + j) % 120 + 1 for j in range(8)]
+        self.steps: list[tuple[list[int], list[int]]] = []  # (the tokens, the chain drafted after them)
+        self.go = threading.Event()
+        self.go.set()
+        self.done = threading.Event()
+        self.pause_s = 0.0
+
+    def run(self) -> None:
+        seq = self.drafter.start(self.prompt)
+        new: list[int] = []
+        while not self.done.is_set():
+            self.go.wait()
+            tree = self.drafter.propose(seq, new, CFG, GREEDY, max_depth=4, deadline_ms=5000)
+            chain = tree.tokens.tolist()[:1] if len(tree) else []
+            if chain:
+                self.steps.append((list(seq.tokens), tree.tokens.tolist()))
+            new = chain or [(seq.tokens[-1] * 7 + 3) % 120 + 1]
+            if len(seq.tokens) > 200:  # a new stream
+                seq, new = self.drafter.start(self.prompt), []
+            time.sleep(self.pause_s)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.go.set()
+        self.join(timeout=10)
+        self.client.close()
+
+
+def chains_agree(targets: list[Target], drafter) -> int:
+    """Each recorded draft equals the drafter's own greedy chain after the same tokens: a session that
+    moved (to a server added, or off a retired one) drafts from its whole prefix. Returns the drafts checked."""
+    checked = 0
+    for target in targets:
+        for tokens, chain in target.steps[-5:]:
+            seq = drafter.start(tokens[:-1])
+            want = drafter.propose(seq, tokens[-1:], CFG, GREEDY).tokens.tolist()
+            assert chain == want[:len(chain)]
+            checked += 1
+    return checked
+
+
+def wait_for(condition, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_sessions_spread_onto_a_server_listed_and_move_off_one_retired(tiny_drafters):
+    servers = InProcess()
+    a, b = servers.add_draft_server(), servers.add_draft_server()
+    targets = [Target(a, i) for i in range(4)]
+    try:
+        for t in targets:
+            t.pause_s = 0.02
+            t.start()
+        assert wait_for(lambda: all(len(t.steps) >= 3 for t in targets), 20)
+        for t in targets:
+            t.client.relist([a, b])  # a server added: the sessions spread (star/placement.py)
+        assert wait_for(lambda: (query_stats(b) or {}).get("sessions_open", 0) >= 1, 20)
+        for t in targets:
+            t.client.relist([b])  # a retired: every session on it moves, with its whole prefix
+        assert wait_for(lambda: (query_stats(a) or {}).get("sessions_open", -1) == 0, 20)
+        before = [len(t.steps) for t in targets]
+        assert wait_for(lambda: all(len(t.steps) > n + 2 for t, n in zip(targets, before)), 20)
+        assert all(t.client.address == b for t in targets)
+        assert chains_agree(targets, tiny_drafters["good"]) >= 4 * 5
+    finally:
+        for t in targets:
+            t.stop()
+        servers.close()
+
+
+def test_the_controller_adds_a_server_under_load_and_retires_it_when_the_load_goes(tiny_drafters):
+    """Eight streams drafting without pause keep one server busy: a second is added and the targets
+    are told; the streams then pause long between steps: the second server is retired, its sessions
+    moved first, and nothing the streams drafted differs from the drafter's own chains."""
+    servers = InProcess()
+    first = servers.add_draft_server()
+    targets = [Target(first, i) for i in range(8)]
+    listed: list[list[str]] = []
+
+    def tell(addresses: list[str]) -> None:  # what the gateway does: every target is told
+        listed.append(list(addresses))
+        for t in targets:
+            t.client.relist(addresses)
+
+    rule = ElasticConfig(max_servers=2, min_servers=1, high=0.6, low=0.3, window=2, cooldown_s=2.0,
+                         interval_s=0.5, drain_s=10.0)
+    controller = Controller(servers, rule, tell)
+    try:
+        for t in targets:
+            t.start()
+        controller.start()
+        assert wait_for(lambda: controller.counts.decisions["add"] >= 1, 60), controller.counts.last
+        assert len(listed[-1]) == 2 and controller.counts.servers == 2
+        for t in targets:
+            t.pause_s = 1.0  # the load goes
+        assert wait_for(lambda: controller.counts.decisions["retire"] >= 1, 60), controller.counts.last
+        assert listed[-1] == [first] and servers.draft_servers() == [first]
+        before = [len(t.steps) for t in targets]
+        assert wait_for(lambda: all(len(t.steps) > n for t, n in zip(targets, before)), 30)  # drafting on
+        assert chains_agree(targets, tiny_drafters["good"]) >= 8
+    finally:
+        controller.stop()
+        for t in targets:
+            t.stop()
+        servers.close()
