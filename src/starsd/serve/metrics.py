@@ -177,7 +177,7 @@ class RestartsCollector:
 class ElasticCollector:
     """The elastic controller's decisions and the draft servers it runs (star/elastic.py)."""
 
-    ACTIONS = ("add", "retire")
+    ACTIONS = ("add", "retire", "add_failed")
 
     def __init__(self, controller: Callable):
         self.controller = controller  # gives the controller, or None before it starts

@@ -72,7 +72,8 @@ class Servers(Protocol):
 class Counts:
     """The controller's figures, for /metrics."""
 
-    decisions: collections.Counter = field(default_factory=collections.Counter)  # by action (hold not counted)
+    decisions: collections.Counter = field(default_factory=collections.Counter)  # by action: add, retire,
+    # add_failed (hold not counted)
     servers: int = 0
     last: str = ""  # the last decision's reason
 
@@ -134,7 +135,13 @@ class Controller(threading.Thread):
 
     def _add(self, decision: Decision) -> None:
         log.warning("adding a draft server: %s", decision.why)
-        address = self.servers.add_draft_server()
+        try:
+            address = self.servers.add_draft_server()
+        except Exception as e:  # (no node with its resources, say): tried again after the cool-down
+            log.error("no draft server added: %s", e)
+            self.counts.decisions["add_failed"] += 1
+            self._changed_at = time.monotonic()
+            return
         self._changed(decision, self.servers.draft_servers())
         log.warning("draft server added at %s: %d now", address, self.counts.servers)
 

@@ -207,13 +207,18 @@ class RayStar:
         with self._lock:
             return list(self.draft_addresses)
 
-    def add_draft_server(self) -> str:
-        """One more draft server actor, as the first were started; its address once it is ready."""
+    def add_draft_server(self, timeout_s: float = 900.0) -> str:
+        """One more draft server actor, as the first were started; its address once it is ready. Raises
+        Unavailable where none is ready within timeout_s (no node has the resources it asks for)."""
         ray = _ray()
         actor = ray.remote(StarProcess).options(**_options(self.draft_resources)).remote(self.draft_cmd,
                                                                                         self.keys.files("draft"))
         try:
-            address = ray.get(actor.where.remote())
+            address = ray.get(actor.where.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            raise Unavailable(f"no draft server actor was ready within {timeout_s:.0f} s: does a node have "
+                              f"the resources it asks for ({self.draft_resources or 'none'})?") from None
         except BaseException:
             ray.kill(actor)
             raise
