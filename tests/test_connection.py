@@ -171,3 +171,44 @@ def test_one_heartbeat_keeps_every_session_of_a_connection_and_tells_each_when_i
     for c in clients:
         c.close()
     assert wait_for(lambda: heartbeats() == before, 3.0)
+
+
+def test_a_refusal_naming_no_hello_reaches_the_oldest_hello_waiting():
+    """A server of another protocol version refuses a Hello with an Error that has no stream number (its
+    Error has no such field): the oldest channel still waiting for its Welcome gets it, not nobody."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    shared = Connections(heartbeat_s=0)
+    client = DraftClient(f"tcp://127.0.0.1:{port}", FP, "old", timeout_s=5, heartbeat_s=0, connections=shared)
+    try:
+        client.send_hello()
+        assert router.poll(5000)
+        peer, *_ = router.recv_multipart()
+        router.send_multipart([peer, *P.encode(P.Error("version", "protocol version 10 is not supported"))])
+        with pytest.raises(DraftServerError, match="version"):
+            client.receive_welcome()
+    finally:
+        client.close()
+        router.close(0)
+
+
+def test_a_session_whose_channel_left_before_reading_its_welcome_is_said_goodbye_to(make_server):
+    """Two channels leave with their sessions' Welcomes unread, one filed already, one still on the
+    wire (a Hello queued while a server restarts is delivered after it): neither session outlives them."""
+    server, address = make_server()
+    shared = Connections(heartbeat_s=0)
+    stays = DraftClient(address, FP, "stays", timeout_s=10, heartbeat_s=0, connections=shared)
+    stays.hello()
+    filed, unread = (DraftClient(address, FP, n, timeout_s=10, heartbeat_s=0, connections=shared) for n in "fu")
+    filed.send_hello()
+    unread.send_hello()
+    assert wait_for(lambda: len(server.sessions) == 3)
+    shared._open[address].pump(filed.link, 5000)  # filed's Welcome is in its inbox, not read by its client
+    assert filed.link.tag and not filed.tag
+    unread.close()  # its Welcome comes to a connection that no longer lists it
+    filed.close()
+    stays.draft(prompt(1), 8, CFG, GREEDY)  # reads on: the unread Welcome is answered with a Bye
+    assert wait_for(lambda: len(server.sessions) == 1) and stays.tag in server.sessions
+    stays.close()

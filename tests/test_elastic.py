@@ -186,3 +186,15 @@ def test_the_controller_adds_a_server_under_load_and_retires_it_when_the_load_go
         for t in targets:
             t.stop()
         servers.close()
+
+
+def test_a_target_that_joins_after_a_server_moved_is_told_where_it_runs_now():
+    """The gateway lists the servers to targets that join later: a server that moved since it was
+    listed is listed at its new address (listed at the old one, a target would draft on a dead one)."""
+    from starsd.serve.pool import Pool
+
+    pool = Pool([], max_queue=1, step_timeout_s=1.0)
+    pool.draft_servers(["tcp://10.0.0.1:1", "tcp://10.0.0.2:1"])
+    pool.draft_moved("tcp://10.0.0.1:1", "tcp://10.0.0.3:1")
+    assert pool.listed == ("tcp://10.0.0.3:1", "tcp://10.0.0.2:1")
+    pool.close()

@@ -76,10 +76,10 @@ def serve_ray(address: str, pair: PairConfig, server: ServerConfig, draft: Draft
           f"Ray cluster at {address}", file=sys.stderr, flush=True)
     star = RayStar.start(address, pair, server, draft, n, draft_resources, target_resources, model_name,
                          draft_servers)
+    controller = None
     try:
         cfg = dataclasses.replace(cfg, targets=tuple(star.target_addresses), draft_server=star.draft_address,
                                   keys=star.keys.gateway, draft_keys=star.keys.draft_stats)
-        controller = None
 
         def moves(tell) -> None:  # (called once the gateway listens)
             nonlocal controller

@@ -360,6 +360,7 @@ class Pool:
         ignores it."""
         log.warning("draft server %s moved to %s: telling the %d targets", old, new, len(self.links))
         self.draft_moves.append((old, new))
+        self.listed = tuple(new if a == old else a for a in self.listed)  # (told to later joiners after the moves)
         for link in self.links:
             link.tell(P.DraftMoved(old, new))
 

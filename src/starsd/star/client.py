@@ -307,8 +307,9 @@ class DraftClient:
         return other if should_move(held[self.address], held[other], self._rng) else None
 
     def reopen(self) -> None:
-        """A fresh socket (or channel), and a Hello on it for a new session (the old one's queued messages
-        are dropped, so no stale request reaches a restarted server); receive_welcome() says when it is open."""
+        """A fresh socket, and a Hello on it for a new session (the old socket's queued messages are
+        dropped, so no stale request reaches a restarted server; a channel of a shared connection says
+        goodbye to whatever session its Hello opened); receive_welcome() says when it is open."""
         self.link.close(0)
         self.link = self._link()
         self.tag = 0
@@ -364,10 +365,11 @@ class DraftClient:
             self.loads.stop()
 
     def _leave(self) -> None:
-        """The session ends (a Bye, if the server still listens), and with it the heartbeat and the socket."""
+        """The session ends (a Bye, if the server still listens), and with it the heartbeat and the socket
+        (a channel says its Bye itself, its Welcome read or not: star/connection.py)."""
         if self._heartbeat:
             self._heartbeat.stop()
-        if self.tag:
+        if self.tag and isinstance(self.link, Socket):
             try:
                 self._send(P.Bye(self.tag))
             except (zmq.ZMQError, DraftServerError):

@@ -9,14 +9,16 @@ target's, and its messages come back routed by tag (a Welcome or a refused Hello
 
 A connection is read from one thread, the engine's (ZeroMQ sockets are not shared between threads):
 whichever channel waits pumps the socket and files what comes for the others in their inboxes. A
-message for a session that has left (a late reply, a refusal after a Bye) is dropped, as a closed
-socket's queue was.
+channel that leaves says goodbye to its session (its client need not have read the Welcome); a
+message for a session that has left is dropped, and a Welcome for a channel that left is answered
+with a goodbye (a Hello queued while the server was down opens a session nobody would use).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import math
 import threading
 import time
@@ -28,6 +30,8 @@ from starsd.config import ClientKeys
 from starsd.star import protocol as P
 from starsd.star import security
 from starsd.star.placement import Loads
+
+log = logging.getLogger("starsd.client")
 
 
 class Heartbeat(threading.Thread):
@@ -64,33 +68,39 @@ class Heartbeat(threading.Thread):
         # server are dropped, not queued up for its successor
         try:
             while not self._stop_event.wait(self.interval_s):
-                held = tuple(self.tags())
-                for start in range(0, max(1, len(held)), P.MAX_PING_TAGS):
-                    try:
-                        sock.send_multipart(P.encode(P.Ping(0, time.time(), held[start:start + P.MAX_PING_TAGS])),
-                                            zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
-                gone = set(self.gone)
-                while sock.poll(0):
-                    pong = sock.recv_multipart()
-                    self._last_pong = time.monotonic()
-                    try:
-                        msg = P.decode(pong)[0]
-                    except P.ProtocolError:
-                        continue  # an answer all the same: the server is alive
-                    if not isinstance(msg, P.Pong):
-                        continue
-                    gone.update(msg.unknown)
-                    if msg.level_ms > 0:
-                        self.level_ms = msg.level_ms
-                    if msg.local >= 0:
-                        self.local = msg.local
-                    if msg.wait_ms >= 0:
-                        self.wait_ms = msg.wait_ms
-                self.gone = frozenset(gone.intersection(held))  # one rebinding: readers see either set
+                try:
+                    self._beat(sock)
+                except Exception:  # (a thread that died would leave every session unreachable for good)
+                    log.exception("heartbeat to %s", self.address)
         finally:
             sock.close(0)
+
+    def _beat(self, sock) -> None:
+        """One round: a Ping of every tag, and the Pongs that came since the last."""
+        held = tuple(self.tags())
+        for start in range(0, max(1, len(held)), P.MAX_PING_TAGS):
+            try:
+                sock.send_multipart(P.encode(P.Ping(0, time.time(), held[start:start + P.MAX_PING_TAGS])), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        gone = set(self.gone)
+        while sock.poll(0):
+            pong = sock.recv_multipart()
+            self._last_pong = time.monotonic()
+            try:
+                msg = P.decode(pong)[0]
+            except P.ProtocolError:
+                continue  # an answer all the same: the server is alive
+            if not isinstance(msg, P.Pong):
+                continue
+            gone.update(msg.unknown)
+            if msg.level_ms > 0:
+                self.level_ms = msg.level_ms
+            if msg.local >= 0:
+                self.local = msg.local
+            if msg.wait_ms >= 0:
+                self.wait_ms = msg.wait_ms
+        self.gone = frozenset(gone.intersection(held))  # one rebinding: readers see either set
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -157,6 +167,7 @@ class Connection:
         self._by_stream: dict[int, Channel] = {}
         self._by_tag: dict[int, Channel] = {}
         self._on_empty = on_empty
+        self._linger_ms = 0  # the longest any leaving channel asked its goodbye to be waited for
         self.heartbeat = Heartbeat(address, lambda: list(self._by_tag), heartbeat_s, keys, grace_s)
         if heartbeat_s > 0:
             self.heartbeat.start()
@@ -181,25 +192,40 @@ class Connection:
 
     def _file(self, msg, tensors) -> None:
         tag = getattr(msg, "tag", 0)
-        if isinstance(msg, P.Welcome) or (isinstance(msg, P.Error) and not tag):  # a Hello's answer
+        if isinstance(msg, P.Welcome):
             ch = self._by_stream.get(msg.stream)
-            if ch is not None and isinstance(msg, P.Welcome):
-                self._by_tag.pop(ch.tag, None)
-                ch.tag = msg.tag
-                self._by_tag[ch.tag] = ch
+            if ch is None:  # a Hello of a channel that left (sent before a restart, delivered after it):
+                self._bye(msg.tag)  # the session it opened is nobody's
+                return
+            self._by_tag.pop(ch.tag, None)
+            ch.tag = msg.tag
+            self._by_tag[ch.tag] = ch
+        elif isinstance(msg, P.Error) and not tag:  # a refused Hello, by its number; a server that names none
+            # (another protocol version's, refusing this one) answers the oldest Hello waiting
+            ch = self._by_stream.get(msg.stream) or next((c for c in self._by_stream.values() if not c.tag), None)
         else:
             ch = self._by_tag.get(tag)
         if ch is not None:
             ch.inbox.append((msg, tensors))
 
+    def _bye(self, tag: int) -> None:
+        try:
+            self.sock.send_multipart(P.encode(P.Bye(tag)), zmq.NOBLOCK)
+        except zmq.ZMQError:  # (no connection now: the server frees it after its timeout)
+            pass
+
     def drop(self, ch: Channel, linger_ms: int) -> None:
+        """A channel leaves: its session, if its Welcome came, is said goodbye to (read by its client
+        or not), and the connection closes with its last channel."""
         self._by_stream.pop(ch.stream, None)
-        if self._by_tag.get(ch.tag) is ch:
+        if ch.tag and self._by_tag.get(ch.tag) is ch:
             del self._by_tag[ch.tag]
+            self._bye(ch.tag)
+        self._linger_ms = max(self._linger_ms, linger_ms)
         if not self._by_stream:
             if self.heartbeat.is_alive():
                 self.heartbeat.stop()
-            self.sock.close(linger=linger_ms)
+            self.sock.close(linger=self._linger_ms)
             self._on_empty(self)
 
 

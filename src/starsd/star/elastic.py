@@ -105,14 +105,16 @@ class Controller(threading.Thread):
     def step(self) -> Decision:
         addresses = self.servers.draft_servers()
         reading = self._read(addresses)
-        if reading is not None:
+        if reading is None:  # a server silent, or just (re)started: what was read before judges nothing now
+            self.readings.clear()
+        else:
             self.readings.append(reading)
         decision = decide(list(self.readings), len(addresses), self.bounds, time.monotonic() - self._changed_at)
         self.counts.last = decision.why
         if decision.action == "add":
             self._add(decision)
         elif decision.action == "retire":
-            self._retire(addresses[-1], decision)
+            self._retire(len(addresses) - 1, decision)
         return decision
 
     def _read(self, addresses: list[str]) -> list[float] | None:
@@ -140,14 +142,18 @@ class Controller(threading.Thread):
         except Exception as e:  # (no node with its resources, say): tried again after the cool-down
             log.error("no draft server added: %s", e)
             self.counts.decisions["add_failed"] += 1
+            self.readings.clear()
             self._changed_at = time.monotonic()
             return
         self._changed(decision, self.servers.draft_servers())
         log.warning("draft server added at %s: %d now", address, self.counts.servers)
 
-    def _retire(self, address: str, decision: Decision) -> None:
+    def _retire(self, index: int, decision: Decision) -> None:
+        """The `index`th server (the last added) goes. Named by its place: Ray may start its actor again
+        elsewhere (its node lost) while it drains, at another address."""
+        address = self.servers.draft_servers()[index]
         log.warning("retiring the draft server at %s: %s", address, decision.why)
-        remaining = [a for a in self.servers.draft_servers() if a != address]
+        remaining = [a for i, a in enumerate(self.servers.draft_servers()) if i != index]
         self.listed(remaining)  # its sessions move first, each with its whole prefix
         deadline = time.monotonic() + self.bounds.drain_s
         while time.monotonic() < deadline and not self._stop_event.is_set():
@@ -155,9 +161,10 @@ class Controller(threading.Thread):
             if snap is None or snap["sessions_open"] == 0:
                 break
             time.sleep(0.2)
+        address = self.servers.draft_servers()[index]  # (where it runs now)
         self.servers.stop_draft_server(address)
         self._last.pop(address, None)
-        self._changed(decision, remaining)
+        self._changed(decision, self.servers.draft_servers())
         log.warning("draft server at %s retired: %d now", address, self.counts.servers)
 
     def _changed(self, decision: Decision, addresses: list[str]) -> None:

@@ -46,7 +46,7 @@ class Loads(threading.Thread):
         self._first = threading.Event()
         self._stop_event = threading.Event()
         self._moves: list[tuple[str, str]] = []  # (old, new) not yet applied by the thread (readdress)
-        self._relisted: list[str] | None = None  # the servers to ping from now on, not yet applied (relist)
+        self._relists: list[list[str]] = []  # lists of the servers to ping from now on, not yet applied (relist)
 
     def held(self) -> dict[str, int]:
         """Sessions held by each server that answered within fresh_s."""
@@ -59,7 +59,7 @@ class Loads(threading.Thread):
 
     def relist(self, addresses: list[str]) -> None:
         """From any thread: these servers are pinged from the next round on (one added, or one retired)."""
-        self._relisted = list(addresses)
+        self._relists.append(list(addresses))
 
     def wait_first(self, timeout_s: float) -> None:
         """Until the first round's answers are in (or timeout_s)."""
@@ -84,8 +84,10 @@ class Loads(threading.Thread):
                             socks[new] = security.connect(ctx, new, self.keys, send_hwm=4)
                             poller.register(socks[new], zmq.POLLIN)
                         self.addresses = [new if a == old else a for a in self.addresses]
-                if (relisted := self._relisted) is not None:
-                    self._relisted = None
+                relisted = None
+                while self._relists:  # (appended from other threads: popped, never reassigned)
+                    relisted = self._relists.pop(0)
+                if relisted is not None:
                     for gone in set(socks) - set(relisted):
                         poller.unregister(socks[gone])
                         socks.pop(gone).close(0)

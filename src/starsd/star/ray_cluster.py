@@ -223,8 +223,13 @@ class RayStar:
             ray.kill(actor)
             raise
         with self._lock:
-            self.actors.insert(len(self.draft_addresses), actor)
-            self.draft_addresses.append(address)
+            closing = self._stop.is_set()
+            if not closing:
+                self.actors.insert(len(self.draft_addresses), actor)
+                self.draft_addresses.append(address)
+        if closing:  # close() ran while it started: it is not the star's
+            ray.kill(actor)
+            raise Unavailable("the star closed while a draft server was added")
         return address
 
     def stop_draft_server(self, address: str) -> None:
@@ -275,7 +280,9 @@ class RayStar:
         seconds (/metrics), and each actor started again on another node counted as one."""
         ray = _ray()
         total = dict(self.moves)
-        refs = [a.restarts.remote() for a in self.actors]
+        with self._lock:
+            actors = list(self.actors)
+        refs = [a.restarts.remote() for a in actors]
         for ref in ray.wait(refs, num_returns=len(refs), timeout=5)[0]:
             try:
                 counts = ray.get(ref)
@@ -287,12 +294,14 @@ class RayStar:
 
     def close(self) -> None:
         """Stop every process (a minute at most: an actor whose node is lost does not answer), then the actors."""
-        self._stop.set()
+        with self._lock:  # (a draft server being added finds the star closing: add_draft_server)
+            self._stop.set()
+            actors = list(self.actors)
         ray = _ray()
         try:
-            refs = [a.stop.remote() for a in reversed(self.actors)]
+            refs = [a.stop.remote() for a in reversed(actors)]
             ray.wait(refs, num_returns=len(refs), timeout=60)
         finally:
-            for a in self.actors:
+            for a in actors:
                 ray.kill(a)
             self.keys.close()

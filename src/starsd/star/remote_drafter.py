@@ -389,7 +389,8 @@ class RemoteDrafter:
             given_up = welcome is None and time.monotonic() - self._hello_at > patience_s
             why = "no Welcome"
         except DraftServerError as e:  # refused (full) or unreachable
-            if e.code in MISCONFIGURED:  # no retry mends it: decoding alone from now on, said once
+            if e.code in MISCONFIGURED and len(self.client.addresses) == 1:  # no retry mends it: decoding alone
+                # from now on, said once (with several servers it moves on, as from a hello refused)
                 log.error("%s: %s; decoding alone", self.client.name, e)
                 self.misconfigured = e
                 self._retry_at = math.inf
