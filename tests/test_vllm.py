@@ -78,6 +78,6 @@ def test_16_requests_on_one_connection_to_a_server_holding_8_are_drafted_and_sur
     assert watch.sessions >= len(REQUESTS) and watch.connections == 1  # one connection, whatever the requests
     assert watch.last["sessions_evicted"] > 0 and not watch.last["errors"]  # the budget bound: evicted, not refused
     assert counters["calls"] > watch.at_kill["calls"]  # vLLM went on after the kill
-    log = (tmp_path / "vllm.log").read_text().splitlines()
-    said = [line for line in log if "StarSD" in line or "starsd" in line]
-    assert len(said) < len(REQUESTS) + 5, said[:10]  # nothing said at every step (a line a request for the kill)
+    log = [line for line in (tmp_path / "vllm.log").read_text().splitlines() if line.strip()]
+    assert len(log) < counters["calls"], log[-10:]  # nothing said at every step: the engine's whole log
+    # (vLLM's warnings, the plug-in's lines, a line a request for the kill) is shorter than its steps
