@@ -198,3 +198,30 @@ def test_a_target_that_joins_after_a_server_moved_is_told_where_it_runs_now():
     pool.draft_moved("tcp://10.0.0.1:1", "tcp://10.0.0.3:1")
     assert pool.listed == ("tcp://10.0.0.3:1", "tcp://10.0.0.2:1")
     pool.close()
+
+
+def test_draft_servers_are_added_and_stopped_as_actors(tmp_path):
+    """What the elastic controller does on Ray (star/elastic.py), on a local one-node cluster: RayStar
+    starts one more draft server actor, which answers with the star's keys, and stops it again."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'starsd[ray]')")
+    from starsd.config import PairConfig
+    from starsd.star.ray_cluster import RayStar
+
+    tok = tiny.char_tokenizer()
+    target = tiny.tiny_model(1)
+    pair = PairConfig(target=tiny.save(target, tok, tmp_path / "target"), dtype="float32", draft_quantize="none",
+                      draft=tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft"),
+                      target_engine="transformers", threads=1)
+    star = RayStar.start("local", pair, ServerConfig(), CFG, 1, {}, {})
+    try:
+        first = star.draft_servers()
+        added = star.add_draft_server()
+        assert star.draft_servers() == [*first, added] and added not in first
+        assert query_stats(added, timeout_s=10, keys=star.keys.draft_stats) is not None
+        star.stop_draft_server(added)
+        assert star.draft_servers() == first
+        assert query_stats(added, timeout_s=2, keys=star.keys.draft_stats) is None  # stopped
+        assert query_stats(first[0], timeout_s=10, keys=star.keys.draft_stats) is not None
+    finally:
+        star.close()
+        ray.shutdown()

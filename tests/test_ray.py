@@ -165,29 +165,3 @@ def lose_node(ip: str) -> None:
             pass
     psutil.wait_procs(mine, timeout=30)
 
-
-def test_draft_servers_are_added_and_stopped_as_actors(tmp_path):
-    """What the elastic controller does on Ray (star/elastic.py), on a local one-node cluster: RayStar
-    starts one more draft server actor, which answers with the star's keys, and stops it again."""
-    from starsd.config import DraftConfig, PairConfig, ServerConfig
-    from starsd.star.client import query_stats
-    from starsd.star.ray_cluster import RayStar
-
-    tok = tiny.char_tokenizer()
-    target = tiny.tiny_model(1)
-    pair = PairConfig(target=tiny.save(target, tok, tmp_path / "target"), dtype="float32", draft_quantize="none",
-                      draft=tiny.save(tiny.perturbed(target, seed=7, scale=0.1), tok, tmp_path / "draft"),
-                      target_engine="transformers", threads=1)
-    star = RayStar.start("local", pair, ServerConfig(), DraftConfig(), 1, {}, {})
-    try:
-        first = star.draft_servers()
-        added = star.add_draft_server()
-        assert star.draft_servers() == [*first, added] and added not in first
-        assert query_stats(added, timeout_s=10, keys=star.keys.draft_stats) is not None
-        star.stop_draft_server(added)
-        assert star.draft_servers() == first
-        assert query_stats(added, timeout_s=2, keys=star.keys.draft_stats) is None  # stopped
-        assert query_stats(first[0], timeout_s=10, keys=star.keys.draft_stats) is not None
-    finally:
-        star.close()
-        ray.shutdown()
