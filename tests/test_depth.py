@@ -195,6 +195,20 @@ def test_decodes_alone_when_the_draft_server_is_slow():
     assert all(b - a >= a - prev for prev, a, b in zip(looks, looks[1:], looks[2:]))
 
 
+def test_a_stream_drafts_again_at_its_first_look_once_its_server_is_fast_again():
+    """Seen on a ramp of replay targets (bench elastic): 32 targets saturated one draft server, then 30
+    left. The two that stayed decoded alone for the rest of the run (1.0x, where 1.5x was theirs
+    before): each look drafted fast, but one fast draft every 64, 128, 256 steps hardly moved a
+    median of nine slow ones. A look whose draft comes in under half the figures' time voids them."""
+    policy = learnt(right=6)  # drafted from a fast server, then met a 2 s wait, and decodes alone since
+    chosen = run(policy, 400, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2, right=6)
+    looked = next(i for i, d in enumerate(chosen) if d)
+    assert looked < 100 and sum(map(bool, chosen[looked:looked + 64])) >= 56
+    slow = learnt(right=6)  # a look that finds the server as slow as before changes nothing: only the looks draft
+    assert sum(map(bool, run(slow, 400, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000,
+                             right=6))) <= 4
+
+
 def test_shallow_when_verifying_is_expensive():
     """A CPU whose verify cost grows with the tokens scored and a draft right for two tokens: the
     best depth is 2 (tokens per ms: 1/100 alone, 2/142 at 1, 3/182 at 2, 3/222 at 3)."""

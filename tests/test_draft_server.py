@@ -455,7 +455,7 @@ def test_welcome_and_pongs_say_how_long_the_servers_requests_wait_lately(make_se
     assert quiet.wait_ms == said  # its Welcome's
     drafter = RemoteDrafter(quiet)
     assert drafter.server_ms == said and drafter.reply_ms == 0.0
-    drafter.reply_ms = said + 500.0
+    drafter.reply_ms, drafter.reply_at = said + 500.0, time.monotonic()
     assert drafter.server_ms == said + 500.0  # its own replies, where they say longer
     deadline = time.monotonic() + 5  # a Pong that came during busy's drafts said the figure of then
     while fresh._heartbeat.wait_ms != said and time.monotonic() < deadline:

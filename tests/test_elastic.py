@@ -1,6 +1,7 @@
 """Draft capacity that follows load (star/elastic.py): the rule, sessions that follow the servers the
 star lists (one added: they spread onto it; one retired: they move off it, losing nothing), and the
-controller adding a server under load and retiring it idle, on real draft servers."""
+controller adding a server under load and retiring it idle, on real draft servers; on a local Ray
+cluster, draft server actors started and stopped."""
 
 import threading
 import time
@@ -12,7 +13,7 @@ from starsd.config import DraftConfig, ElasticConfig, SamplingConfig, ServerConf
 from starsd.errors import SettingError
 from starsd.models.drafter import Drafter
 from starsd.star.client import DraftClient, query_stats
-from starsd.star.elastic import Controller, decide
+from starsd.star.elastic import Controller, Load, decide
 from starsd.star.processes import free_port
 from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.server import DraftServer
@@ -20,24 +21,43 @@ from starsd.star.server import DraftServer
 FP = "f" * 64
 CFG = DraftConfig(depth=4)
 GREEDY = SamplingConfig()
-RULE = ElasticConfig(max_servers=3, min_servers=1, high=0.8, low=0.4, window=2, cooldown_s=10.0)
+RULE = ElasticConfig(max_servers=3, min_servers=1, high=0.8, low=0.4, high_sessions=3.0, low_sessions=2.0, window=2,
+                     retire_window=3, cooldown_s=10.0)
+
+
+def loads(*servers: tuple[float, float]) -> list[Load]:
+    """One reading: (busy, sessions at once) of each server."""
+    return [Load(busy, sessions) for busy, sessions in servers]
 
 
 def test_the_rule_adds_only_when_every_server_is_saturated_and_retires_only_what_the_rest_can_carry():
-    assert decide([[0.9], [0.95]], 1, RULE, 60).action == "add"
-    assert decide([[0.9, 0.95], [0.85, 0.9]], 2, RULE, 60).action == "add"
-    assert decide([[0.9, 0.5], [0.95, 0.6]], 2, RULE, 60).action == "hold"  # one server has room
-    assert decide([[0.9]], 1, RULE, 60).action == "hold"  # one reading of two
-    assert decide([[0.9], [0.95]], 1, RULE, 5).action == "hold"  # cooling down
-    assert decide([[0.9] * 3, [0.95] * 3], 3, RULE, 60).action == "hold"  # at the most servers
-    assert decide([[0.2, 0.1], [0.15, 0.2]], 2, RULE, 60).action == "retire"  # 0.35 on one
-    assert decide([[0.3, 0.2], [0.2, 0.2]], 2, RULE, 60).action == "hold"  # 0.5 on one: too busy
-    assert decide([[0.0], [0.0]], 1, RULE, 60).action == "hold"  # at the fewest
-    assert decide([[0.9], [0.1, 0.1], [0.1, 0.1]], 2, RULE, 60).action == "retire"  # (the 1-server reading: not judged)
+    full, room = (0.95, 4.0), (0.5, 1.0)
+
+    def action(readings, servers, since_s=60):
+        return decide([loads(*r) for r in readings], servers, RULE, since_s).action
+
+    assert action([[full], [(0.9, 3.5)]], 1) == "add"
+    assert action([[full, full], [(0.85, 3.0), full]], 2) == "add"
+    assert action([[full, room], [full, room]], 2) == "hold"  # one server has room
+    assert action([[(0.95, 1.2)], [(1.0, 1.5)]], 1) == "hold"  # busy, but for one or two targets: a server
+    # that adapts its depth to its targets keeps itself busy; their drafts do not queue
+    assert action([[full]], 1) == "hold"  # one reading of two
+    assert action([[full], [full]], 1, since_s=5) == "hold"  # cooling down
+    assert action([[full] * 3, [full] * 3], 3) == "hold"  # at the most servers
+    idle, pair = [(0.2, 0.2), (0.1, 0.1)], [(0.9, 1.0), (0.95, 1.0)]
+    assert action([idle] * 3, 2) == "retire"  # 0.3 busy on one
+    assert action([idle] * 2, 2) == "hold"  # a dip two readings long: a retirement looks at three
+    assert action([[full, full], idle, idle], 2) == "hold"
+    assert action([pair] * 3, 2) == "retire"  # two targets, a server each: one server would draft for 2 at once
+    assert action([[(0.9, 1.5), (0.9, 1.5)]] * 3, 2) == "hold"  # 3 at once on one: too many
+    assert action([[(0.0, 0.0)]] * 3, 1) == "hold"  # at the fewest
+    assert action([[full], idle, idle, idle], 2) == "retire"  # (the 1-server reading: not judged)
     with pytest.raises(SettingError):
         ElasticConfig(max_servers=2, min_servers=3)
     with pytest.raises(SettingError):
         ElasticConfig(low=0.9, high=0.8)
+    with pytest.raises(SettingError):
+        ElasticConfig(low_sessions=3.0, high_sessions=2.0)
 
 
 class InProcess:
@@ -165,8 +185,8 @@ def test_the_controller_adds_a_server_under_load_and_retires_it_when_the_load_go
         for t in targets:
             t.client.relist(addresses)
 
-    rule = ElasticConfig(max_servers=2, min_servers=1, high=0.6, low=0.3, window=2, cooldown_s=2.0,
-                         interval_s=0.5, drain_s=10.0)
+    rule = ElasticConfig(max_servers=2, min_servers=1, high=0.6, low=0.3, high_sessions=1.5, low_sessions=0.5,
+                         window=2, retire_window=2, cooldown_s=2.0, interval_s=0.5, drain_s=10.0)
     controller = Controller(servers, rule, tell)
     try:
         for t in targets:
@@ -225,3 +245,35 @@ def test_draft_servers_are_added_and_stopped_as_actors(tmp_path):
     finally:
         star.close()
         ray.shutdown()
+
+
+def test_a_wait_figure_of_a_load_that_has_gone_is_forgotten(monkeypatch):
+    """Seen on the ramp (bench elastic): 30 of 32 targets left a server whose last requests had waited
+    2-3 s. The server kept saying so (the median of its last requests, however old), and each of the
+    two targets that stayed kept its own last reply's figure: both asked for no draft for minutes on
+    an idle server. A server's figure is of its last 10 s (0 when nothing came: nothing queues), a
+    drafter's own of its last reply for as long."""
+    from starsd.star import stats as stats_module
+    from starsd.star.stats import ServerStats
+
+    stats = ServerStats()
+    assert stats.wait_ms() == -1.0  # none answered yet
+    for _ in range(5):
+        stats.replied(2500.0)
+    assert stats.wait_ms() == 2500.0
+    now = time.monotonic()
+    monkeypatch.setattr(stats_module.time, "monotonic", lambda: now + stats_module.WAIT_WINDOW_S + 1)
+    assert stats.wait_ms() == 0.0
+    stats.replied(40.0)
+    assert stats.wait_ms() == 40.0
+    monkeypatch.undo()
+
+    client = DraftClient("tcp://127.0.0.1:9", FP, "alone")  # no server: its figure is none (0)
+    try:
+        drafter = RemoteDrafter(client, cohosted=False)
+        drafter.reply_ms, drafter.reply_at = 2500.0, time.monotonic()
+        assert drafter.server_ms == 2500.0
+        drafter.reply_at -= stats_module.WAIT_WINDOW_S + 1
+        assert drafter.server_ms == 0.0
+    finally:
+        client.close()

@@ -324,9 +324,16 @@ class ElasticConfig:
     max_servers: int = setting(0, "draft servers at most: a controller adds one while every server is saturated and "
                                "retires one while fewer would do (0: off, --draft-servers fixed)")
     min_servers: int = setting(1, "draft servers at least, with a controller")
-    high: float = setting(0.85, "utilisation from which every server counts as saturated (a server is added)")
+    high: float = setting(0.85, "utilisation from which a server counts as saturated (a server is added while every "
+                          "one is, and drafts for --elastic-high-sessions at once)")
     low: float = setting(0.5, "utilisation up to which one server fewer would still do (a server is retired)")
-    window: int = setting(3, "readings a decision looks at")
+    high_sessions: float = setting(3.0, "sessions a server drafts at once, on average, from which it counts as "
+                                   "saturated (with --elastic-high)")
+    low_sessions: float = setting(2.0, "sessions at once, on average, up to which one server fewer would still do "
+                                  "(a server is retired)")
+    window: int = setting(3, "readings an addition looks at")
+    retire_window: int = setting(15, "readings a retirement looks at: longer, so that a dip (the targets decoding "
+                                 "alone a while after missed deadlines) retires no server they need")
     cooldown_s: float = setting(30.0, "seconds after a change before the next")
     interval_s: float = setting(2.0, "seconds between readings of the servers' counters")
     drain_s: float = setting(30.0, "seconds a retired server is given for its sessions to move before it stops")
@@ -336,8 +343,10 @@ class ElasticConfig:
             raise SettingError(f"need 1 <= min_servers <= max_servers, not {self.min_servers}, {self.max_servers}")
         if not 0 <= self.low < self.high <= 1:
             raise SettingError(f"need 0 <= low < high <= 1, not {self.low}, {self.high}")
-        if self.window < 1 or self.interval_s <= 0 or self.cooldown_s < 0 or self.drain_s < 0:
-            raise SettingError("need window >= 1, interval_s > 0, cooldown_s >= 0 and drain_s >= 0")
+        if not 0 <= self.low_sessions < self.high_sessions:
+            raise SettingError(f"need 0 <= low_sessions < high_sessions, not {self.low_sessions}, {self.high_sessions}")
+        if self.window < 1 or self.retire_window < 1 or self.interval_s <= 0 or self.cooldown_s < 0 or self.drain_s < 0:
+            raise SettingError("need window >= 1, retire_window >= 1, interval_s > 0, cooldown_s >= 0 and drain_s >= 0")
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,7 @@ class DepthPolicy:
     late_probes: int = 0  # such asks in a row (each doubles the interval to the next)
     prefill_ms: float = 0.0  # the last prompt's prefill
     moves: int = 0  # the drafter's moves to another server, as of the last one followed
+    looking: bool = False  # this step is a look at drafting while decoding alone (its draft waited for)
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -272,6 +273,7 @@ class DepthPolicy:
                     before_prefill=before_prefill)
         drawn = None if source.stops else tuple(self.acceptance.rates(self.rng))
         decision = decide(self.situation(limit, source, drawn=drawn, **turn))
+        self.looking = decision.look == "drafting"
         if decision.drafts:
             self.idle_looks = 0
         if decision.look:
@@ -346,5 +348,10 @@ class DepthPolicy:
             self.acceptance.add(depth, accepted)
             if draft_ms is not None and math.isfinite(draft_ms):
                 self.misses = 0
+                if self.looking and draft_ms < 0.5 * self.draft_ms(depth):  # a look from decoding alone, its draft
+                    # in under half what the figures say: they are of a server loaded then (many targets, since
+                    # gone) and would keep the stream alone for hundreds of steps, a faster draft at each rarer
+                    # look moving a median of slow ones hardly at all. They start afresh from this one
+                    self.draft_ms = server_costs()[0]
                 self.draft_ms.add(depth, draft_ms)
         self.verify_ms.add(width, verify_ms)

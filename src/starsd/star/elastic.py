@@ -1,20 +1,22 @@
 """Draft capacity that follows load: a controller that adds a draft server when the star's servers
 are saturated and retires one when they idle, within bounds and after a cool-down.
 
-What it reads, every `interval_s`: each draft server's counters (a StatsRequest): its busy time for
-requests (pre-drafting not counted), hence its utilisation over the last interval.
+It reads each draft server's counters every `interval_s`: over the interval, its utilisation (busy
+time for requests, pre-drafting not counted) and the sessions it drafted for at once, on average
+(a batch of 4 for half of it counts 2). A server's targets draft as deep as it keeps up with, so
+utilisation alone does not tell 2 targets from 32; how many sessions share a batch does.
 The rule (`decide`, pure):
-- add: over the last `window` readings every server was busy at least `high` of the time (drafts
-  queue: the targets' drafts come late, and their depth policies stop asking, the star past
-  N_full), fewer than `max_servers` run, and `cooldown_s` passed since the last change;
-- retire: over those readings the servers' load would keep one server fewer busy at most `low` of
-  the time (the sum of utilisations over K - 1), more than `min_servers` run, the cool-down passed;
-- else hold.
-Acting (`Controller`): a server is added by its `Servers` (RayStar: an actor started on a node its
-resources allow), then the targets are told the servers (protocol.DraftServers, by the gateway) and
-sessions spread onto it (star/placement.py). A server is retired the other way round: the targets
-are told the servers that remain, each session on it moves with its whole prefix (no token lost),
-and once it holds none (or after `drain_s`) it stops. Every decision is a log line and a counter.
+- add: over the last `window` readings every server was busy at least `high` of the time and
+  drafted for at least `high_sessions` sessions at once (drafts queue: the star past N_full), fewer
+  than `max_servers` run, and `cooldown_s` passed since the last change;
+- retire: over the last `retire_window` readings (longer: targets that pause after missed
+  deadlines make dips) the load would keep one server fewer busy at most `low` of the time, or
+  drafting for at most `low_sessions` at once (sums over K - 1), more than `min_servers` run, the
+  cool-down passed; else hold.
+Acting (`Controller`): a server is added by its `Servers` (RayStar: an actor), the targets are told
+the servers (protocol.DraftServers, by the gateway) and sessions spread onto it. A server retired:
+the targets are told the rest, its sessions move with their whole prefixes (no token lost), and
+once it holds none (or after `drain_s`) it stops. Every decision is a log line and a counter.
 """
 
 from __future__ import annotations
@@ -38,24 +40,37 @@ class Decision:
     why: str
 
 
-def decide(readings: list[list[float]], servers: int, bounds: ElasticConfig, since_change_s: float) -> Decision:
-    """`readings`: the last readings, oldest first, each the utilisation of every server running then
-    (a reading of another number of servers than `servers` is not judged)."""
+@dataclass(frozen=True)
+class Load:
+    """One server's reading over an interval."""
+
+    busy: float  # the share of it spent drafting for requests
+    sessions: float  # the sessions drafted for at once, on average
+
+
+def decide(readings: list[list[Load]], servers: int, bounds: ElasticConfig, since_change_s: float) -> Decision:
+    """`readings`: the last readings, oldest first, each the load of every server running then (a
+    reading of another number of servers than `servers` is not judged)."""
     recent = [r for r in readings[-bounds.window:] if len(r) == servers]
     if len(recent) < bounds.window:
         return Decision("hold", f"{len(recent)} of {bounds.window} readings of {servers} servers")
+    longer = [r for r in readings[-bounds.retire_window:] if len(r) == servers]
     if since_change_s < bounds.cooldown_s:
         return Decision("hold", f"cooling down ({since_change_s:.0f} of {bounds.cooldown_s:.0f} s)")
-    least = min(min(r) for r in recent)
-    if least >= bounds.high:
+    least = min(min(x.busy for x in r) for r in recent)
+    fewest = min(min(x.sessions for x in r) for r in recent)
+    if least >= bounds.high and fewest >= bounds.high_sessions:
+        why = f"every server busy >= {least:.0%} of the time, drafting for >= {fewest:.1f} sessions at once"
         if servers >= bounds.max_servers:
-            return Decision("hold", f"saturated (every server busy >= {least:.0%}), at the most servers ({servers})")
-        return Decision("add", f"every server busy >= {least:.0%} of the time over {bounds.window} readings")
-    if servers > bounds.min_servers:
-        fewer = max(sum(r) / (servers - 1) for r in recent)
-        if fewer <= bounds.low:
-            return Decision("retire", f"{servers - 1} servers would be busy {fewer:.0%} of the time at most")
-    return Decision("hold", f"busy {least:.0%} at least, within bounds")
+            return Decision("hold", f"saturated ({why}), at the most servers ({servers})")
+        return Decision("add", f"{why}, over {bounds.window} readings")
+    if servers > bounds.min_servers and len(longer) == bounds.retire_window:
+        busy = max(sum(x.busy for x in r) / (servers - 1) for r in longer)
+        sessions = max(sum(x.sessions for x in r) / (servers - 1) for r in longer)
+        if busy <= bounds.low or sessions <= bounds.low_sessions:
+            return Decision("retire", f"{servers - 1} servers would be busy {busy:.0%} of the time at most, "
+                                      f"drafting for {sessions:.1f} sessions at once")
+    return Decision("hold", f"busy {least:.0%}, {fewest:.1f} sessions at once at least, within bounds")
 
 
 class Servers(Protocol):
@@ -90,8 +105,9 @@ class Controller(threading.Thread):
         self.listed = listed
         self.keys = keys
         self.counts = Counts(servers=len(servers.draft_servers()))
-        self.readings: collections.deque = collections.deque(maxlen=bounds.window)
-        self._last: dict[str, tuple[float, float]] = {}  # address -> (busy_s, uptime_s) at the last reading
+        self.readings: collections.deque = collections.deque(maxlen=max(bounds.window, bounds.retire_window))
+        self._last: dict[str, tuple[float, float, float]] = {}  # address -> (busy_s, sessions_s, uptime_s) at
+        # the last reading
         self._changed_at = time.monotonic()
         self._stop_event = threading.Event()
 
@@ -117,22 +133,23 @@ class Controller(threading.Thread):
             self._retire(len(addresses) - 1, decision)
         return decision
 
-    def _read(self, addresses: list[str]) -> list[float] | None:
-        """Each server's utilisation since the last reading; None where a server has no reading before
-        this one (just started, restarted) or does not answer."""
-        out: list[float] = []
+    def _read(self, addresses: list[str]) -> list[Load] | None:
+        """Each server's load since the last reading; None where a server has no reading before this one
+        (just started, restarted) or does not answer."""
+        out: list[Load] = []
         complete = True
         for address in addresses:
             snap = query_stats(address, timeout_s=self.bounds.interval_s, keys=self.keys)
             if snap is None:
                 return None
-            now = (snap["busy_s"], snap["uptime_s"])
+            now = (snap["busy_s"], snap["sessions_s"], snap["uptime_s"])
             before = self._last.get(address)
             self._last[address] = now
-            if before is None or now[1] <= before[1]:
+            if before is None or now[2] <= before[2]:
                 complete = False
                 continue
-            out.append((now[0] - before[0]) / (now[1] - before[1]))
+            span = now[2] - before[2]
+            out.append(Load((now[0] - before[0]) / span, (now[1] - before[1]) / span))
         return out if complete else None
 
     def _add(self, decision: Decision) -> None:

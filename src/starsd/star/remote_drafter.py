@@ -20,6 +20,9 @@ from starsd.spec_decode.tree import DraftTree
 from starsd.star import protocol as P
 from starsd.star.client import GO_ON_ALONE, MISCONFIGURED, DraftClient, DraftServerError
 from starsd.star.hosts import server_on_this_host, shares_cores
+from starsd.star.stats import WAIT_WINDOW_S
+
+REPLY_FRESH_S = WAIT_WINDOW_S  # a drafter's own figure of its server's time counts this long after its reply
 
 log = logging.getLogger("starsd.client")
 
@@ -163,6 +166,7 @@ class RemoteDrafter:
         self.lateness = 1.0  # tokens committed between a request and the reading of its reply, when that
         # came after the target had gone on (a draft asked ahead needs to be this much deeper)
         self.reply_ms = 0.0  # the draft server's time on a request (queue + draft), as this drafter's replies say
+        self.reply_at = -math.inf  # when the last reply came (monotonic s)
 
     def _place(self) -> None:
         """What the server this client talks to now means for its drafts."""
@@ -211,8 +215,10 @@ class RemoteDrafter:
         least): as this drafter's replies say, or as the server says of its recent requests, whichever is
         longer. A stream that joins a saturated server, or asks for no draft while it is, knows its wait
         from the server's word (on an AMX Xeon, 32 replay targets that joined one each waited for their
-        first five drafts, 0.7 to 2.3 s each, and decoded at 0.79x alone)."""
-        return max(self.reply_ms, self.client.wait_ms)
+        first five drafts, 0.7 to 2.3 s each, and decoded at 0.79x alone). The drafter's own figure counts
+        while it is recent (REPLY_FRESH_S): one from a load since gone would keep it from asking again."""
+        own = self.reply_ms if time.monotonic() - self.reply_at < REPLY_FRESH_S else 0.0
+        return max(own, self.client.wait_ms)
 
     @property
     def level_ms(self) -> float:
@@ -299,6 +305,7 @@ class RemoteDrafter:
         took = reply.queue_ms + reply.service_ms  # a server found faster is believed at once (it is asked
         # again only now and then while it seems too slow), a slower one over a few replies
         self.reply_ms = min(took, self.reply_ms + 0.25 * (took - self.reply_ms))
+        self.reply_at = time.monotonic()
         return tree
 
     def keep_up(self, seq: RemoteSequence) -> None:

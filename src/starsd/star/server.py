@@ -365,6 +365,7 @@ class DraftServer:
 
     def _draft(self, items: list[tuple[Session, Request]]) -> None:
         start = time.perf_counter()
+        self.stats.begin(start, len(items))
         fresh = [s for s, _ in items if s.seq.cached == 0]  # new streams, and those back from eviction
         for s in fresh:
             self.sessions.share_prefix(s)
@@ -376,6 +377,7 @@ class DraftServer:
         try:
             trees = self.drafter.propose_batch(jobs)
         except Exception:
+            self.stats.abandon()
             return self._isolate(items, states)
         end = time.perf_counter()
         self.stats.batch(start, end, len(items))

@@ -12,6 +12,9 @@ import threading
 import time
 
 
+WAIT_WINDOW_S = 10.0  # the requests whose waits say what a new request waits now
+
+
 class ServerStats:
     """Counters of one draft server; `snapshot()` is what a StatsRequest returns (as JSON).
     Written by the compute loop and the IO thread, read by either: every access holds the lock."""
@@ -33,6 +36,10 @@ class ServerStats:
         self.connections = 0  # connections holding sessions (an engine's requests share one), counted with kv_bytes
         self.kv_budget_bytes = 0
         self.busy_s = 0.0
+        self.sessions_s = 0.0  # session-seconds drafted: each batch's time times its sessions (over uptime: the
+        # sessions drafted at once, on average)
+        self._running: tuple[float, int] | None = None  # the batch drafting now: when it began (perf_counter s)
+        # and its sessions; its time so far counts in a snapshot, so that readings a second apart see a long batch
         self.hops = 0
         self.hop_s = 0.0
         self.predrafts = 0  # outcomes pre-drafted (ahead.py)
@@ -48,7 +55,8 @@ class ServerStats:
         self.work: collections.Counter = collections.Counter()
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
         self.levels: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step batches
-        self.waits: collections.deque = collections.deque(maxlen=33)  # ms from arrival to reply of recent requests
+        self.waits: collections.deque = collections.deque(maxlen=33)  # (monotonic s, ms from arrival to reply)
+        # of recent requests
         self._ingest_ms = 0.0  # ms to ingest one token of a new stream, as the warm-up measured (0: not yet)
 
     def count(self, name: str, n: int = 1) -> None:
@@ -57,11 +65,23 @@ class ServerStats:
         with self.lock:
             setattr(self, name, getattr(self, name) + n)
 
+    def begin(self, start: float, size: int) -> None:
+        """A draft batch of `size` sessions begins (time.perf_counter()); batch() or abandon() ends it."""
+        with self.lock:
+            self._running = (start, size)
+
+    def abandon(self) -> None:
+        """The batch begun failed (its sessions are drafted apart, each a batch of its own)."""
+        with self.lock:
+            self._running = None
+
     def batch(self, start: float, end: float, size: int) -> None:
         """A draft batch of `size` sessions ran from `start` to `end` (time.perf_counter())."""
         with self.lock:
+            self._running = None
             self.batch_sizes[size] += 1
             self.busy_s += end - start
+            self.sessions_s += size * (end - start)
             self.timeline.append((*_wall(start, end), size))
 
     def predrafted(self, start: float, end: float) -> None:
@@ -85,13 +105,19 @@ class ServerStats:
     def replied(self, ms: float) -> None:
         """A request was answered `ms` after it arrived (its queue and its draft)."""
         with self.lock:
-            self.waits.append(ms)
+            self.waits.append((time.monotonic(), ms))
 
     def wait_ms(self) -> float:
-        """The median of recent requests' time from arrival to reply (-1: none answered yet): what a new
-        request waits for its draft, whoever asks it."""
+        """The median of recent requests' time from arrival to reply, of the last WAIT_WINDOW_S: what a new
+        request waits for its draft, whoever asks it (-1: none answered yet; 0: none of late, nothing
+        queues). The waits of a load that has gone are not kept: 30 targets left a server whose last
+        requests had waited 2-3 s, and the two that stayed, told so, asked for no draft for minutes."""
         with self.lock:
-            return statistics.median_high(self.waits) if self.waits else -1.0
+            if not self.waits:
+                return -1.0
+            since = time.monotonic() - WAIT_WINDOW_S
+            recent = [ms for at, ms in self.waits if at >= since]
+            return statistics.median_high(recent) if recent else 0.0
 
     def ingested(self, ms_per_token: float) -> None:
         """What one prompt token took to ingest, as the warm-up measured it."""
@@ -133,8 +159,12 @@ class ServerStats:
     def snapshot(self, sessions_open: int, queue_depth: int = 0) -> dict:
         with self.lock:
             elapsed = time.monotonic() - self.started
+            running, size = (0.0, 0) if self._running is None else (time.perf_counter() - self._running[0],
+                                                                     self._running[1])
+            busy = self.busy_s + running
             return {
-                "uptime_s": elapsed, "busy_s": self.busy_s, "utilization": self.busy_s / elapsed if elapsed else 0.0,
+                "uptime_s": elapsed, "busy_s": busy, "utilization": busy / elapsed if elapsed else 0.0,
+                "sessions_s": self.sessions_s + size * running,
                 "requests": self.requests, "replies": self.replies, "errors": dict(self.errors),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "queue_depth": queue_depth, "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
