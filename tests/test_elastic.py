@@ -1,8 +1,11 @@
 """Draft capacity that follows load (star/elastic.py): the rule, sessions that follow the servers the
 star lists (one added: they spread onto it; one retired: they move off it, losing nothing), and the
 controller adding a server under load and retiring it idle, on real draft servers; on a local Ray
-cluster, draft server actors started and stopped."""
+cluster, draft server actors started and stopped, and `starsd bench elastic` end to end."""
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,6 +13,7 @@ import pytest
 
 import tiny
 from starsd.config import DraftConfig, ElasticConfig, SamplingConfig, ServerConfig
+from starsd.emulate.replay import LatencyProfile
 from starsd.errors import SettingError
 from starsd.models.drafter import Drafter
 from starsd.star.client import DraftClient, query_stats
@@ -245,6 +249,38 @@ def test_draft_servers_are_added_and_stopped_as_actors(tmp_path):
     finally:
         star.close()
         ray.shutdown()
+
+
+def test_bench_elastic_adds_a_server_under_load_and_retires_it_when_the_targets_go(tmp_path):
+    """`starsd bench elastic`, short, on tiny models: replay targets against draft server actors of a
+    local one-node Ray cluster, the controller adding one under load and retiring it once the targets
+    are gone (thresholds low enough for a tiny model's load); every decision in /metrics, and nothing
+    the targets decode differs from the recording (a replay target stops at the first token that
+    does, and the run fails)."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'starsd[ray]')")
+    target_dir, draft_dir = tiny.save_pair(tmp_path)
+    latency = tmp_path / "latency.json"
+    latency.write_text(json.dumps(LatencyProfile({1: (100.0,), 16: (110.0,)}, "test", {50: (100.0,)}).to_json()))
+    out = tmp_path / "elastic.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "starsd.cli", "bench", "elastic", "--phases", "4:40,0:25", "--settle-s", "2",
+         "--baseline-s", "3", "--elastic-high", "0.002", "--elastic-low", "0.001", "--elastic-high-sessions", "0.002",
+         "--elastic-low-sessions", "0.001", "--elastic-window", "2", "--elastic-retire-window", "2",
+         "--elastic-cooldown-s", "3", "--elastic-interval-s", "1", "--elastic-drain-s", "5",
+         "--limit", "4", "--max-new-tokens", "24", "--latency", str(latency), "--target", target_dir,
+         "--draft", draft_dir, "--dtype", "float32", "--draft-quantize", "none", "--cache-dir", str(tmp_path / "cache"),
+         "--json-out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and out.exists(), run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [d["action"] for d in result["decisions"]] == ["add", "retire"], result["decisions"]
+    assert result["decision_counts"] == {"add": 1, "retire": 1}
+    assert result["checks"]["decisions_in_metrics"] and result["checks"]["tokens_lost"] == 0
+    assert result["metrics"]['starsd:elastic_draft_servers'] == 1.0
+    busy = result["phases"][0]
+    assert busy["targets"] == 4 and busy["servers"]["most"] == 2 and busy["min_over_alone"] > 0
+    assert result["phases"][1]["servers"]["at_end"] == 1
+    assert [x["servers"] for x in result["listed"]][-1] == [result["listed"][0]["servers"][0]]  # the first stays
 
 
 def test_a_wait_figure_of_a_load_that_has_gone_is_forgotten(monkeypatch):

@@ -376,6 +376,8 @@ def args_replay_targets(p: argparse.ArgumentParser) -> None:
                    "seconds (0: each target decodes its share once)")
     p.add_argument("--no-spec", action="store_true", help="target-only decoding (no draft server traffic)")
     p.add_argument("--wait-go", action="store_true", help="after the handshakes, wait for a line on stdin")
+    p.add_argument("--active", type=int, default=None, help="targets decoding at the start (the others wait for "
+                   "an `active N` line on stdin, with --wait-go); default: all")
     p.add_argument("--seed", type=int, default=0, help="seeds the latency draws")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the draft server's reply")
     C.add_flags(p, C.DraftConfig, prefix="draft-")
@@ -395,7 +397,7 @@ def cmd_replay_targets(args) -> int:
     host = Host(args.connect, Recording.load(args.recording), LatencyProfile.load(args.latency), args.targets,
                 args.max_new_tokens, C.from_args(C.DraftConfig, args, prefix="draft-"), args.no_spec,
                 args.duration_s, args.seed, args.timeout, keys=C.from_args(C.ClientKeys, args),
-                recording_file=args.recording)
+                recording_file=args.recording, active=args.active)
     return host.run(args.wait_go)
 
 
@@ -537,6 +539,8 @@ BENCHES = {  # name: (help, module with add_args and main)
                     "starsd.bench.slow_server"),
     "servers": ("two draft servers against one past saturation (replay targets, a core each), and one killed",
                 "starsd.bench.servers"),
+    "elastic": ("replay targets ramping up and down against draft servers on a local Ray cluster, added and retired "
+                "by the elastic controller", "starsd.bench.elastic"),
     "memory": ("peak RSS of co-located vs remote-draft targets; instances that fit a budget", "starsd.bench.memory"),
     "fuzz": ("bad inputs to protocol.decode and to a live draft server; honest sessions unchanged", "starsd.bench.fuzz"),
     "soak": ("many replay targets for a long run with faults injected; losses, errors, RSS", "starsd.bench.soak"),

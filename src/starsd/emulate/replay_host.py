@@ -5,9 +5,14 @@ in for N target machines. Each target runs the ordinary draft -> verify -> accep
 (spec.decode.speculative) against the real draft server. Prints one JSON line per prompt decoded,
 marked "replay": true, with the per-iteration trace a benchmark needs.
 
-With --wait-go, stdin stays open after `go` for commands: `stall I S` makes target I stall for S
-seconds at its next step boundary (a slow target), then print {"stalled": name, "seconds": S,
-"resumed": unix time, "session": its session tag}. Every row says the target's session tag at its end.
+With --wait-go, stdin stays open after `go` for commands:
+- `stall I S`: target I stalls for S seconds at its next step boundary (a slow target), then prints
+  {"stalled": name, "seconds": S, "resumed": unix time, "session": its session tag};
+- `active N`: targets 0..N-1 decode, the others wait at their next prompt boundary, their sessions
+  open and idle (a fleet's load rising and falling; --active sets N at the start, default all);
+- `servers A,B,...`: the star's draft servers are these now, as a target server is told by the
+  gateway (protocol.DraftServers, star/elastic.py): each target's client is relisted.
+Every row says the target's session tag at its end.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from starsd.star.remote_drafter import RemoteDrafter, Timing
 class Host:
     def __init__(self, connect: str, recording: Recording, latency: LatencyProfile, n: int,
                  max_new_tokens: int, draft: DraftConfig, no_spec: bool = False, duration_s: float = 0.0,
-                 seed: int = 0, timeout_s: float = 120.0, keys: ClientKeys = ClientKeys(), recording_file: str = ""):
+                 seed: int = 0, timeout_s: float = 120.0, keys: ClientKeys = ClientKeys(), recording_file: str = "",
+                 active: int | None = None):
         if max_new_tokens > recording.max_new_tokens:
             raise ValueError(f"the recording holds {recording.max_new_tokens} tokens per prompt; "
                              f"cannot replay {max_new_tokens}")
@@ -55,6 +61,9 @@ class Host:
         self.lock = threading.Lock()
         self.failed = False
         self.stalls: dict[int, float] = {}  # target index -> seconds it stalls at its next step boundary
+        self.active = n if active is None else active  # targets 0..active-1 decode (`active N`)
+        self.turned = threading.Condition(self.lock)  # notified when `active` changes
+        self.clients: dict[int, DraftClient] = {}
 
     def run(self, wait_go: bool) -> int:
         threads = [threading.Thread(target=self._target, args=(i,), name=f"replay-{i}", daemon=True)
@@ -74,16 +83,32 @@ class Host:
         return 1 if self.failed else 0
 
     def _commands(self) -> None:
-        """Read `stall I S` lines from stdin until it closes."""
+        """Read `stall I S`, `active N` and `servers A,B` lines from stdin until it closes."""
         for line in sys.stdin:
             words = line.split()
             try:
-                if words[0] != "stall":
-                    raise ValueError(f"unknown command {words[0]!r}")
+                if not words or words[0] not in ("stall", "active", "servers"):
+                    raise ValueError(f"unknown command {words[0] if words else ''!r}")
+                if words[0] == "servers":
+                    with self.lock:
+                        clients = list(self.clients.values())
+                    for client in clients:
+                        client.relist(words[1].split(","))
+                    continue
                 with self.lock:
-                    self.stalls[int(words[1])] = float(words[2])
+                    if words[0] == "stall":
+                        self.stalls[int(words[1])] = float(words[2])
+                    else:
+                        self.active = int(words[1])
+                        self.turned.notify_all()
             except (IndexError, ValueError) as e:
                 self._emit({"ignored": line.strip(), "why": str(e)})
+
+    def wait_active(self, i: int) -> None:
+        """Target i is between two prompts: wait here while it is not active (or until the deadline)."""
+        with self.lock:
+            while i >= self.active and time.time() < self.deadline:
+                self.turned.wait(timeout=min(1.0, max(0.0, self.deadline - time.time())))
 
     def stall_point(self, i: int, drafter: RemoteDrafter) -> None:
         """Target i is between two steps: stall here if told to."""
@@ -105,6 +130,8 @@ class Host:
         name = f"replay-{i}"
         client = DraftClient(for_target(self.connect, i), self.recording.fingerprint, name, self.timeout_s,
                              keys=self.keys)
+        with self.lock:
+            self.clients[i] = client
         try:
             if not self.no_spec:
                 client.hello()
@@ -134,6 +161,7 @@ class Host:
         eos = frozenset(self.recording.eos_ids)
         while True:
             for prompt_id, p in self.share(i):
+                self.wait_active(i)
                 if time.time() >= self.deadline:
                     return
                 drafter.timing = Timing()

@@ -65,6 +65,11 @@ class StarKeys:
         return GatewayKeys(str(self.dir / "gateways/gateway.key_secret"), str(self.dir / "serving/serving.key"))
 
     @property
+    def targets(self) -> ClientKeys:
+        """A target's keys for the draft servers (a replay target's: bench/elastic.py)."""
+        return ClientKeys(str(self.dir / "targets/target.key_secret"), str(self.dir / "server/server.key"))
+
+    @property
     def draft_stats(self) -> ClientKeys:
         return ClientKeys(str(self.dir / "gateways/gateway.key_secret"), str(self.dir / "server/server.key"))
 
