@@ -370,6 +370,12 @@ def test_the_remote_check_fails_when_q_is_not_the_one_drawn_from(server, target,
 
     monkeypatch.setattr(client_module, "_tree", swapped)
     streams, _ = sample_remotely(server.address, target, (SAMPLED,) * STREAMS, 600)
+    for _ in range(ROUNDS - 1):  # the check can tell only where drafts made many of the tokens: a loaded
+        # machine (the parallel suite) left the streams decoding alone often enough to pass it once
+        if what_happened(streams)["accepted per trial"] > 0.25:
+            break
+        streams += sample_remotely(server.address, target, (SAMPLED,) * STREAMS, 600)[0]
+    assert what_happened(streams)["accepted per trial"] > 0.25, what_happened(streams)
     with pytest.raises(AssertionError, match="TV to target|chi-square") as err:
         check(streams, *laws)
     assert "setup" not in str(err.value)
