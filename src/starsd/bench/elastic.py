@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import threading
 import time
 import urllib.request
@@ -85,9 +84,7 @@ class Ramp:
             self.proc = spawn([*argv, "--active", str(first), *C.to_flags(keys)], NICE, stderr=log)
         self.lock = threading.Lock()
         read_json_line(self.proc, "ready", 300)
-        self.lines: list[str] = []  # its stdout, read as it comes: a full pipe would stop its targets mid-print
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.reader.start()
+        self.reader, self.lines = harness.read_lines(self.proc)
 
     def say(self, line: str) -> None:
         with self.lock:
@@ -103,11 +100,7 @@ class Ramp:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-        rows = [json.loads(line) for line in self.lines if line.startswith("{")]
-        errors = [r["error"] for r in rows if "error" in r]
-        if self.proc.returncode or errors:
-            raise RuntimeError(f"replay host failed ({self.proc.returncode}): {errors[:3]}")
-        return [r for r in rows if r.get("replay")]
+        return [r for r in harness.replay_rows(self.proc, self.lines) if r.get("replay")]
 
 
 def per_target(its: list[metrics.Iteration], names: list[str], w0: float, w1: float) -> dict[str, float]:

@@ -12,6 +12,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -160,16 +161,16 @@ class Runner:
             go = time.time()
             proc.stdin.write("go\n")
             proc.stdin.flush()
+            reader, lines = read_lines(proc)  # read while `during` runs: its targets print as they decode
             if during is not None:
                 during(go)
-            out, _ = proc.communicate(timeout=(duration_s or 3600) + 300)
+            proc.stdin.close()
+            proc.wait(timeout=(duration_s or 3600) + 300)
+            reader.join(timeout=10)
         finally:
             if proc.poll() is None:
                 proc.kill()
-        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        errors = [r["error"] for r in rows if "error" in r]
-        if proc.returncode or errors:
-            raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
+        rows = replay_rows(proc, lines)
         return rows, go
 
     def point(self, address: str | None, n: int, no_spec: bool = False, draft: C.DraftConfig | None = None
@@ -181,6 +182,25 @@ class Runner:
         timeline = None if address is None else server_stats(address, self.prefix)["timeline"]
         its = metrics.iterations(rows)
         return metrics.point(its, n, w0, w1, timeline), [it for it in its if w0 <= it.end <= w1]
+
+
+def read_lines(proc: subprocess.Popen) -> tuple[threading.Thread, list[str]]:
+    """The child's stdout, read as it comes on a thread of its own into the list returned. A child
+    that prints more than a pipe holds (64 KiB) while nobody reads stops at its print: a replay host
+    so stopped every target at once (its threads print under one lock)."""
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), name="stdout-reader", daemon=True)
+    reader.start()
+    return reader, lines
+
+
+def replay_rows(proc: subprocess.Popen, lines: list[str]) -> list[dict]:
+    """A finished replay host's JSON rows; raises where it failed or a target reported an error."""
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    errors = [r["error"] for r in rows if "error" in r]
+    if proc.returncode or errors:
+        raise RuntimeError(f"replay host failed ({proc.returncode}): {errors[:3]}")
+    return rows
 
 
 def networks(text: str) -> list[tuple[float, float | None]]:
