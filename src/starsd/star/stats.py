@@ -34,6 +34,7 @@ class ServerStats:
         self.prefix_tokens = 0  # the tokens those streams did not ingest
         self.kv_bytes = 0  # draft KV the sessions and their pre-drafts hold, as last counted (about once a second)
         self.connections = 0  # connections holding sessions (an engine's requests share one), counted with kv_bytes
+        # and at each read of the counters
         self.kv_budget_bytes = 0
         self.busy_s = 0.0
         self.sessions_s = 0.0  # session-seconds drafted: each batch's time times its sessions (over uptime: the
