@@ -62,8 +62,11 @@ def test_only_allowed_keys_get_an_answer(secure_server, keys):
     assert len(tensors[0]) == 3
     for who in (client_keys(keys, "x", "stranger"), ClientKeys()):  # a stranger's key, and no key at all
         peer = DraftClient(address, FP, "intruder", timeout_s=1.5, heartbeat_s=0, keys=who)
-        with pytest.raises(DraftServerError, match="timeout"):
-            peer.hello()  # no handshake, so not even an Error comes back
+        # no handshake, so not even an Error comes back: the Hello waits unanswered (timeout) or, once
+        # libzmq has dropped the refused connection (a few ms to 1 s after connect, measured), it
+        # cannot even be queued (unreachable)
+        with pytest.raises(DraftServerError, match="timeout|takes no message"):
+            peer.hello()
         peer.close()
     assert server.stats.sessions_opened == 1 and len(server.sessions) == 1
     reply, tensors = a.draft([4], 5)  # the allowed session went on untouched
