@@ -15,7 +15,8 @@ The ramp, `--phases N:S,...`: N targets decode for S seconds, then the next phas
   target-only (replay targets decoding alone, the same process, measured first), and the servers;
 - the servers over time, every decision with its time and reason, and /metrics at the end;
 - tokens lost: a replay target stops at the first token that differs from the recording, so a
-  result means none.
+  result means none;
+- any retired server that still answers at the end (its process left running).
 Figures: docs/scaling.md#capacity-that-follows-load-on-ray.
 """
 
@@ -31,6 +32,7 @@ from starsd import config as C
 from starsd.bench import harness, metrics
 from starsd.results import Steps, panel_plot, summary, write_json
 from starsd.serve.metrics import ElasticCollector, serve_metrics
+from starsd.star.client import query_stats
 from starsd.star.elastic import Controller, Decision
 from starsd.star.processes import free_port, read_json_line, spawn
 from starsd.star.ray_cluster import RayStar
@@ -189,10 +191,13 @@ def ramp_run(args, steps: Steps, inputs: harness.Inputs, star: RayStar, bounds: 
         rows = ramp.rows(300)
     finally:
         controller.stop()
-    return figures(args, ramp_spec, starts, go + total_s, rows, alone, controller, listed, scraped)
+    retired = sorted({a for x in listed for a in x["servers"]} - set(star.draft_servers()))
+    answering = [a for a in retired if query_stats(a, timeout_s=2.0, keys=star.keys.draft_stats) is not None]
+    return figures(args, ramp_spec, starts, go + total_s, rows, alone, controller, listed, scraped, answering)
 
 
-def figures(args, ramp_spec, starts, end, rows, alone, controller: Recorded, listed, scraped) -> dict:
+def figures(args, ramp_spec, starts, end, rows, alone, controller: Recorded, listed, scraped,
+            retired_answering: list[str]) -> dict:
     its = metrics.iterations(rows)
     base = alone["per_target_tokens_per_s"]
     out = []
@@ -219,6 +224,7 @@ def figures(args, ramp_spec, starts, end, rows, alone, controller: Recorded, lis
                                           and follows[2]["at_end"] == 1),
               "decisions_in_metrics": all(scraped.get(metric.format(a)) == counts.get(a, 0)
                                           for a in ("add", "retire", "add_failed")),
+              "retired_servers_answering": retired_answering,  # a retired server left running: none
               "tokens_lost": 0}  # replay targets verify every token against the recording: a lost or changed
     # token fails the run, so a result means none was
     return {"replay": {"targets": "replay (remote targets emulated; the draft servers are real, Ray actors on a "
