@@ -34,7 +34,8 @@ def main(path: str) -> None:
     seed = run.get("seed", 0)
     llm = LLM(model=run["model"], dtype=run["dtype"], max_model_len=run.get("max_model_len", 2048),
               speculative_config=run.get("speculative"), max_num_seqs=run.get("max_num_seqs", 4),
-              seed=0 if seed is None else seed, disable_log_stats=False, enable_prefix_caching=False)
+              seed=0 if seed is None else seed, disable_log_stats=False, enable_prefix_caching=False,
+              enforce_eager=run.get("enforce_eager", False))
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
     sampling = SamplingParams(temperature=run.get("temperature", 0.0), seed=seed,
                               max_tokens=run["max_tokens"], ignore_eos=run.get("ignore_eos", True),
