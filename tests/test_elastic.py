@@ -17,7 +17,7 @@ from starsd.emulate.replay import LatencyProfile
 from starsd.errors import SettingError
 from starsd.models.drafter import Drafter
 from starsd.star.client import DraftClient, query_stats
-from starsd.star.elastic import Controller, Load, decide
+from starsd.star.elastic import QUIET_S, Controller, Load, decide
 from starsd.star.processes import free_port
 from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.server import DraftServer
@@ -209,6 +209,40 @@ def test_the_controller_adds_a_server_under_load_and_retires_it_when_the_load_go
         controller.stop()
         for t in targets:
             t.stop()
+        servers.close()
+
+
+def test_a_retired_server_holding_only_an_idle_session_stops_without_waiting_out_the_drain(tiny_drafters):
+    """Two servers and no load: the last added is retired. A stream that drafted on it and then paused
+    keeps an idle session there: the server stops once no draft has been asked of it for QUIET_S, not
+    after drain_s (60 s), and the stream, back, drafts on the first server from its whole prefix."""
+    servers = InProcess()
+    first, last = servers.add_draft_server(), servers.add_draft_server()
+    idle = Target(last, 0)
+
+    def tell(addresses: list[str]) -> None:
+        idle.client.relist(addresses)
+
+    rule = ElasticConfig(max_servers=2, min_servers=1, low=0.3, low_sessions=0.5, retire_window=2, cooldown_s=0.0,
+                         interval_s=0.5, drain_s=60.0)
+    controller = Controller(servers, rule, tell)
+    try:
+        idle.start()
+        assert wait_for(lambda: len(idle.steps) >= 3, 20)
+        idle.go.clear()  # it pauses at its next step: its session on `last` idles
+        time.sleep(0.5)
+        began = time.monotonic()
+        controller.start()
+        assert wait_for(lambda: controller.counts.decisions["retire"] >= 1, 30), controller.counts.last
+        assert time.monotonic() - began < QUIET_S + 10 and servers.draft_servers() == [first]
+        assert query_stats(last, timeout_s=1.0) is None  # stopped
+        before = len(idle.steps)
+        idle.go.set()
+        assert wait_for(lambda: len(idle.steps) > before + 2, 30)
+        assert idle.client.address == first and chains_agree([idle], tiny_drafters["good"]) >= 3
+    finally:
+        controller.stop()
+        idle.stop()
         servers.close()
 
 

@@ -5,18 +5,17 @@ What is real: the draft servers (Ray actors each holding a `starsd draft-server`
 the cluster each, as RayStar starts them), the controller (star/elastic.py, its defaults, reading the
 servers' counters), and its /metrics (the gateway's ElasticCollector, served and scraped over HTTP).
 What stands in: the targets are replay targets (emulated hosts of their own, as in `bench servers`),
-in one process; each is told the star's servers on its stdin (`servers A,B`: DraftClient.relist)
-where a target server is told by the gateway (protocol.DraftServers, then the same relist). The
-controller runs in this process, not a gateway's.
+in one process, each told the star's servers on its stdin (`servers A,B`: DraftClient.relist, as a
+target server told by the gateway's protocol.DraftServers); the controller runs in this process.
 
 The ramp, `--phases N:S,...`: N targets decode for S seconds, then the next phase's N (targets
 0..N-1; the others wait at their next prompt boundary, their sessions idle). Reported:
 - each phase's window (from `--settle-s` after it begins): every active target's tokens/s against
   target-only (replay targets decoding alone, the same process, measured first), and the servers;
-- the servers over time, every decision with its time and reason, and /metrics at the end;
+- the servers over time, every decision with its time and reason, /metrics at the end, and any
+  retired server still answering (its process left running);
 - tokens lost: a replay target stops at the first token that differs from the recording, so a
-  result means none;
-- any retired server that still answers at the end (its process left running).
+  result means none.
 Figures: docs/scaling.md#capacity-that-follows-load-on-ray.
 """
 

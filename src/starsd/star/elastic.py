@@ -3,9 +3,8 @@ are saturated and retires one when they idle, within bounds and after a cool-dow
 
 It reads each draft server's counters every `interval_s`: over the interval, its utilisation (busy
 time for requests, pre-drafting not counted) and the sessions it drafted for at once, on average
-(a batch of 4 for half of it counts 2). A server's targets draft as deep as it keeps up with, so
-utilisation alone does not tell 2 targets from 32; how many sessions share a batch does.
-The rule (`decide`, pure):
+(a batch of 4 for half of it counts 2): utilisation alone does not tell 2 targets from 32, since
+they draft as deep as their server keeps up with; how many share a batch does. The rule (`decide`):
 - add: over the last `window` readings every server was busy at least `high` of the time and
   drafted for at least `high_sessions` sessions at once (drafts queue: the star past N_full), fewer
   than `max_servers` run, and `cooldown_s` passed since the last change;
@@ -15,8 +14,9 @@ The rule (`decide`, pure):
   cool-down passed; else hold.
 Acting (`Controller`): a server is added by its `Servers` (RayStar: an actor), the targets are told
 the servers (protocol.DraftServers, by the gateway) and sessions spread onto it. A server retired:
-the targets are told the rest, its sessions move with their whole prefixes (no token lost), and
-once it holds none (or after `drain_s`) it stops. Every decision is a log line and a counter.
+the targets are told the rest, and its sessions move with their whole prefixes (no token lost) at
+their next drafts; it stops once it holds none, or has had no draft to make for QUIET_S (only idle
+sessions), or after `drain_s`. Every decision is a log line and a counter.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from starsd.config import ClientKeys, ElasticConfig
 from starsd.star.client import query_stats
 
 log = logging.getLogger("starsd.elastic")
+
+QUIET_S = 3.0  # a retired server that has had no draft request for this long holds only idle sessions
 
 
 @dataclass(frozen=True)
@@ -173,10 +175,15 @@ class Controller(threading.Thread):
         remaining = [a for i, a in enumerate(self.servers.draft_servers()) if i != index]
         self.listed(remaining)  # its sessions move first, each with its whole prefix
         deadline = time.monotonic() + self.bounds.drain_s
+        requests, quiet_since = None, time.monotonic()
         while time.monotonic() < deadline and not self._stop_event.is_set():
             snap = query_stats(address, timeout_s=2.0, keys=self.keys)
             if snap is None or snap["sessions_open"] == 0:
                 break
+            if snap["requests"] != requests:
+                requests, quiet_since = snap["requests"], time.monotonic()
+            elif time.monotonic() - quiet_since >= QUIET_S:
+                break  # what it still holds is idle: each moves when its target next drafts, as any would
             time.sleep(0.2)
         address = self.servers.draft_servers()[index]  # (where it runs now)
         self.servers.stop_draft_server(address)
