@@ -577,16 +577,16 @@ def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
 
 def test_no_draft_is_asked_ahead_that_would_come_too_late_but_now_and_then_one_is():
     """As above (a draft right for three tokens, 100 ms a token alone), but the server takes 2 s on
-    a request: 20 tokens pass before a draft at most 8 deep comes, so none is asked but a probe
-    16 steps on, then 32, 64 and 128 apart (and the looks at drafting, asked ahead too, ever more
-    rarely); once the server's replies say 150 ms (two tokens), drafts are asked ahead at every step
+    a request: 20 tokens pass before a draft at most 8 deep comes, so none is asked but a probe (one
+    level: its reply tells the server's queue, a deeper one would only cost it more) 16 steps on, then
+    32, 64 and 128 apart (and the looks at drafting, asked ahead too, ever more rarely); once the server's replies say 150 ms (two tokens), drafts are asked ahead at every step
     again."""
     policy = learnt(right=3)
     decisions = [policy.choose(8, Source(server_ms=2000.0)) for _ in range(400)]
     probes = [i for i, d in enumerate(decisions) if d.late == "probe"]
     gaps = [b - a for a, b in zip(probes, probes[1:])]  # (a step whose look is asked ahead is not counted)
     assert [round(g / 32) for g in gaps] == [1, 2, 4, 4] and not any(d.depth for d in decisions)
-    assert all(d.ahead == 8 for d in decisions if d.late == "probe")
+    assert all(d.ahead == 1 for d in decisions if d.late == "probe")
     asked = [i for i, d in enumerate(decisions) if d.ahead]
     assert len(asked) <= 12 and set(probes) <= set(asked)
     timely = policy.choose(8, Source(server_ms=150.0))  # 6 levels left after two tokens: 3 of them pay
@@ -746,3 +746,37 @@ def test_a_stream_that_joins_a_saturated_server_does_not_wait_for_its_drafts():
         return [policy.choose(63, Source(server_ms=server_ms)).depth for _ in range(64)]
 
     assert not any(stream(3000.0)) and sum(map(bool, stream(300.0))) > 32
+
+
+def alone_after_load(policy: DepthPolicy, steps: int, ingest_ms: float = 9.0, lateness: float = 1.0
+                     ) -> tuple[list[int], list[int]]:
+    """A stream at a server whose load has gone (no queue, 40 ms a level, 9 ms a token ingested), its
+    drafts right for three tokens, 100 ms a token alone: each step's depth, and the tokens each draft
+    waited for had the server ingest first (the drafter lacks what the stream decoded alone)."""
+    unsent, chosen, ingested = 1, [], []
+    for _ in range(steps):
+        decision = policy.choose(8, Source(server_ms=0.0, pace_ms=40.0, holds=True, unsent=unsent, ingest_ms=ingest_ms,
+                                               lateness=lateness))
+        d = decision.depth
+        chosen.append(d)
+        if d:
+            ingested.append(unsent)
+        policy.observe(d, min(d, 3), 40.0 * d + ingest_ms * unsent if d else None, d + 1, 100.0 + 5 * d)
+        unsent = min(d, 3) + 1 if d or decision.ahead else unsent + 1
+    return chosen, ingested
+
+
+def test_a_stream_alone_after_a_load_that_has_gone_drafts_again_at_its_next_look():
+    """Seen on an AMX Xeon (bench elastic): of two targets left when 30 went, one never drafted again in
+    130 s. Its figures were of the loaded server (2 s a draft), and it asked drafts ahead only as probes,
+    once or twice a prompt (here: its replies taken as 30 tokens late). Its one look in a prompt waited 723 ms for 2 levels: the server first ingested what it
+    lacked. Here a look has the server catch up first, a level asked ahead, and waits for a
+    draft at the next step; that draft, fast, voids the old figures, and the stream drafts from its
+    next look on. No draft it waits for ingests more than a step's tokens. With the catch-up off, its
+    look's draft ingests 32 tokens and the stream decodes alone to the end."""
+    policy = learnt(right=3)
+    assert not any(run(policy, 16, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2000, right=3))
+    chosen, ingested = alone_after_load(policy, 160, lateness=30.0)
+    first = next(i for i, d in enumerate(chosen) if d)
+    assert first <= policy.explore << 4 and sum(map(bool, chosen[first:])) >= 0.8 * len(chosen[first:])
+    assert max(ingested) <= 9  # at most max_depth + 1: a step's own

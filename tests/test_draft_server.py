@@ -437,9 +437,10 @@ def test_a_heartbeat_keeps_a_targets_figure_of_the_servers_cost_per_level_fresh(
 
 def test_welcome_and_pongs_say_how_long_the_servers_requests_wait_lately(make_server):
     """A stream that joins a server, or asks for no draft, knows from the server's word how long a
-    draft would take to come (arrival to reply: queue and draft), and its drafter takes it as the
-    server's time until its own replies say longer (spec_decode/depth.py decodes alone where even a perfect
-    draft waited for that long loses)."""
+    draft would take to come: its queue (arrival to the start of its draft) and its time a level (a
+    batch's whole time), apart, so that a draft d deep waits wait_ms + d * pace_ms whatever depths the
+    others ask. Its drafter takes the queue as the server's until its own replies say longer
+    (spec_decode/depth.py decodes alone where even a perfect draft waited for that long loses)."""
     server, address = make_server()
     fresh = DraftClient(address, FP, "fresh", timeout_s=10, heartbeat_s=0.05)
     fresh.hello()
@@ -453,7 +454,9 @@ def test_welcome_and_pongs_say_how_long_the_servers_requests_wait_lately(make_se
     quiet = DraftClient(address, FP, "quiet", timeout_s=10, heartbeat_s=0.05)
     quiet.hello()
     assert quiet.wait_ms == said  # its Welcome's
+    assert quiet.pace_ms == server.stats.pace_ms() > 0 and server.stats.pace_ms() >= server.stats.level_ms()
     drafter = RemoteDrafter(quiet)
+    assert drafter.pace_ms == quiet.pace_ms
     assert drafter.server_ms == said and drafter.reply_ms == 0.0
     drafter.reply_ms, drafter.reply_at = said + 500.0, time.monotonic()
     assert drafter.server_ms == said + 500.0  # its own replies, where they say longer

@@ -414,6 +414,26 @@ def test_a_first_draft_not_there_when_the_prefill_ends_is_not_waited_for(dirs):
     assert drafter.timing.taken_late >= 1 and any(s.depth > 0 for s in rest)
 
 
+def test_a_reply_found_at_a_step_that_asked_none_says_how_late_it_came(dirs):
+    """A draft asked ahead whose reply comes within the step, while the stream goes on decoding alone
+    for 40 steps: the reply is read at the first of them (keep_up), so the drafter takes it as a token
+    late, not 41 (read only at the next draft asked, as it was: a probe's reply 64 steps on then
+    said 64 tokens late, and a stream that took its drafts for that late asked none ahead)."""
+    rig = Rig(dirs)
+    try:
+        drafter = RemoteDrafter(rig.client)
+        seq = drafter.start([5, 17, 33, 2])
+        assert not len(drafter.propose(seq, [], DRAFT, GREEDY, max_depth=3, deadline_ms=0))  # asked ahead
+        time.sleep(0.5)
+        for t in range(40):
+            drafter.keep_up(seq, unsent=t + 1)
+        tree = drafter.propose(seq, [7] * 40, DRAFT, GREEDY, max_depth=3, deadline_ms=0)
+    finally:
+        rig.close()
+    assert drafter.lateness < 1.5 and not len(tree)  # (a draft of a prefix the stream has left)
+    assert drafter.timing.ahead >= 1
+
+
 def test_a_server_too_far_behind_is_not_sent_each_new_prompt(dirs):
     """Drafts come a second after their request, twenty of the target's 50 ms passes, and a draft is
     4 deep: none can pay, so the target stops asking but for a probe now and then (64 steps apart

@@ -170,7 +170,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
         if not policy:
             return Decision(min(draft_cfg.depth, budget - 1))
         source = Source(inline=inline, cohosted=drafter.cohosted, neighbours=drafter.neighbours,
-                        server_ms=drafter.server_ms, lateness=drafter.lateness, holds=holds,
+                        server_ms=drafter.server_ms, pace_ms=drafter.pace_ms, lateness=drafter.lateness, holds=holds,
                         unsent=len(new_tokens) if holds else len(prompt_ids) + produced,  # its next draft ingests
                         ingest_ms=drafter.ingest_ms, stops=draft_cfg.auto_stop)
         return policy.choose(budget - 1, source, before_prefill)
@@ -243,7 +243,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
             tree = DraftTree.empty()
             share = None
             if ask_ahead:
-                drafter.keep_up(dseq)  # a remote drafter reads what its server sent meanwhile
+                drafter.keep_up(dseq, len(new_tokens))  # a remote drafter reads what its server sent meanwhile
         t_verify = time.perf_counter()
         logits = target.score(seq, tree) if taps is None else target.score(seq, tree, taps)
         verdict = verify(tree, logits, sampling, verify_gen)

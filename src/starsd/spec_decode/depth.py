@@ -36,7 +36,8 @@ class Source:
     inline: bool = False  # computed when asked and waited for, never ahead: in this process, or a server on its cores
     cohosted: bool = False  # the server computes on this host's cores: a draft asked ahead is not free
     neighbours: int = 0  # cohosted: the other targets on those cores, each slowed by a draft's compute too
-    server_ms: float = 0.0  # a remote server's own time on a request now (queue and draft), as its replies say
+    server_ms: float = 0.0  # a remote server's queue now, before a request's draft begins, as its replies say
+    pace_ms: float = 0.0  # and its time per level of a draft (0: not known): a draft d deep waits server_ms + d * pace_ms
     lateness: float = 1.0  # tokens the stream commits before a draft asked now can be used
     unsent: int = 0  # tokens of the stream the drafter does not hold: its next draft ingests them first
     ingest_ms: float = 0.0  # the drafter's time to ingest one such token (0: not known)
@@ -53,7 +54,8 @@ class Decision:
     ahead: int = 0  # ask a draft this deep without waiting for it (0: none)
     stop: float = 0.0  # the chain's min_path_prob, for a chain that stops where one more level no longer pays
     drafts: bool = False  # drafting pays this step by the stream's means, before any look
-    look: str = ""  # the look beside the choice made this step: "", "none", "drafting", "probe", "alone", "beside"
+    look: str = ""  # the look beside the choice made this step: "", "none", "drafting", "probe", "catch-up", "alone",
+    # "beside" (a catch-up leaves the look due: it is made at the next step, the drafter no longer lacking)
     late: str = ""  # asked ahead: "held" (the server is too slow: none), "probe" (one all the same), "timely"
 
 
@@ -110,8 +112,17 @@ class Situation:
         if d == 0:
             return 1.0 / max(self.verify_ms(1), 1e-6)
         levels, accepted = self.expect(d, rates)
-        wait = self.draft_ms(levels) if self.source.inline else max(self.draft_ms(levels), self.source.server_ms)
+        wait = self.draft_ms(levels) if self.source.inline else max(self.draft_ms(levels), self.server_wait(levels))
         return (1.0 + accepted) / max(wait + self.verify_ms(levels + 1) + self.taken(levels), 1e-6)
+
+    def server_wait(self, levels: float) -> float:
+        """What a remote server's own word says a draft this deep waits now: its queue and its levels."""
+        return self.source.server_ms + levels * self.source.pace_ms
+
+    def lacking(self) -> int:
+        """Tokens the drafter lacks beyond a step's own (what was decoded alone since its last draft): its
+        next draft ingests them first."""
+        return self.source.unsent if self.source.unsent > self.max_depth + 1 else 0
 
     def taken(self, levels: float) -> float:
         """A co-hosted server's compute on a draft, as it slows each other target on its cores."""
@@ -146,7 +157,7 @@ class Situation:
         drafter's ingest of the tokens it lacks beyond a step's own, where that compute is taken from
         this host's targets (each neighbour's too, of a co-hosted server's)."""
         src = self.source
-        lacking = src.unsent if src.unsent > self.max_depth + 1 else 0
+        lacking = self.lacking()
         if not lacking or src.ingest_ms <= 0 or not (src.cohosted or src.inline):
             return True
         tokens = max(0, self.limit) + 1
@@ -188,10 +199,10 @@ def decide(s: Situation) -> Decision:
         if not drafts:  # at the best draft, where it could pay and the drafter need not ingest for it
             d = max(range(1, limit + 1), key=s.by_means.__getitem__)
             if s.could_pay(d) and (src.holds or not src.cohosted) and s.catch_up_pays(d):
-                if src.inline or s.could_pay(d, src.server_ms):
+                if src.inline or s.could_pay(d, s.server_wait(d)):
                     best, look = d, "drafting"
-                else:  # no wait at this server could pay: asked ahead, its reply tells the server's time
-                    probe, look = d, "probe"
+                else:  # no wait at this server could pay: a level asked ahead, its reply tells the server's queue
+                    probe, look = 1, "probe"
         elif s.verify_ms.measured(1) < 3 or s.verify_ms.stale(1):
             best, look = 0, "alone"  # decoding alone, to compare with: measured little, or long ago
         elif not src.stops:  # the widths beside: one pass slowed once must not rule a width out
@@ -199,7 +210,7 @@ def decide(s: Situation) -> Decision:
     ahead = 0  # a draft asked without waiting
     late = ""
     behind = None  # the tokens the stream commits before such a draft can be used (None: none is asked)
-    wait = src.server_ms  # the server's own time on it
+    wait = s.server_wait(min(s.limit, s.max_depth))  # the server's own time on a draft asked ahead
     if s.before_prefill and not src.inline:  # a prompt's first draft: the prefill's time to come, and the
         if not (src.cohosted and not pays):  # prompt to ingest on a co-hosted server's cores
             behind = src.lateness - s.prefill_ms / max(s.verify_ms(1), 1e-6)
@@ -211,11 +222,17 @@ def decide(s: Situation) -> Decision:
         behind = max(1, math.ceil(behind))
         useful = 0 if probe else s.deepest(s.asked_ahead)
         if probe:
-            ahead = min(probe + behind, cap)
+            ahead = min(probe, cap)
         elif useful and not s.deepest(s.asked_ahead, cap - max(behind, math.ceil(wait / max(s.verify_ms(1), 1e-6)))):
-            ahead, late = (cap, "probe") if s.late_due else (0, "held")  # too late to pay: a probe now and then
+            ahead, late = (1, "probe") if s.late_due else (0, "held")  # too late to pay: a level now and then,
+            # whose reply tells the server's queue (a deeper one costs the server more and tells no more)
         elif useful:
             ahead, late = min(useful + behind, cap), "timely"
+    if best and not src.inline and src.holds and s.lacking():  # a remote drafter lacks what the stream decoded
+        # alone since its last draft: it ingests that asked ahead, a level, and the draft waited for at the next step
+        # measures a draft, not an ingest; a look stays due till then (a prompt's first draft, which ingests the
+        # prompt, is waited for and not counted as a draft's cost: spec_decode/decode.py)
+        return Decision(0, 0.0, 1, s.stop(), drafts, "catch-up" if look == "drafting" else look, "")
     return Decision(best, s.deadline_ms(best) if best else 0.0, ahead, s.stop(), drafts, look, late)
 
 
@@ -276,7 +293,7 @@ class DepthPolicy:
         self.looking = decision.look == "drafting"
         if decision.drafts:
             self.idle_looks = 0
-        if decision.look:
+        if decision.look and decision.look != "catch-up":
             self.since = 0
         self.idle_looks += decision.look in ("drafting", "probe")
         self.looks += decision.look == "beside"

@@ -25,7 +25,8 @@ class DraftSource(Protocol):
     level_ms: float  # what a drafted level has cost of late (0: not known): a new stream's prior
     ingest_ms: float  # what ingesting one token of a stream it does not hold costs it (0: not known)
     lateness: float  # asynchronous: tokens a stream commits between asking a draft and reading it
-    server_ms: float  # asynchronous: the drafting side's own time on a request
+    server_ms: float  # asynchronous: the drafting side's queue before a request's draft begins
+    pace_ms: float  # asynchronous: the drafting side's time per level of a draft (0: not known)
     moves: int  # sessions moved to another server so far: what was learnt of the last one's costs is void
 
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
@@ -37,8 +38,9 @@ class DraftSource(Protocol):
                 deadline_ms: float | None = None, features: torch.Tensor | None = None) -> DraftTree:
         """A draft below the tokens committed so far (new_tokens: those since the last call)."""
 
-    def keep_up(self, seq: Any) -> None:
-        """On a step that asks no draft: whatever keeps the drafter's side of the stream alive."""
+    def keep_up(self, seq: Any, unsent: int = 0) -> None:
+        """On a step that asks no draft: whatever keeps the drafter's side of the stream alive (`unsent`:
+        tokens committed that seq does not hold yet)."""
 
 
 class LocalDrafting:
@@ -53,7 +55,8 @@ class LocalDrafting:
     ingest_ms = 0.0
     lateness = 1.0
     server_ms = 0.0
+    pace_ms = 0.0
     moves = 0
 
-    def keep_up(self, seq: Any) -> None:
+    def keep_up(self, seq: Any, unsent: int = 0) -> None:
         pass

@@ -113,7 +113,8 @@ class DraftClient:
         self.step = 0
         self.taps: tuple[int, ...] | None = None  # the target features the server's drafter needs (its Welcome)
         self._welcome_level_ms = 0.0  # the server's time per drafted level, as its Welcome said (0: unknown)
-        self._welcome_wait_ms = -1.0  # the server's recent time on a request, as its Welcome said (-1: unknown)
+        self._welcome_wait_ms = -1.0  # the server's recent queue before a draft, as its Welcome said (-1: unknown)
+        self._welcome_pace_ms = 0.0  # the server's recent time per level of a draft batch, as its Welcome said
         self.ingest_ms = 0.0  # the server's time to ingest a token of a stream it does not hold, as its Welcome said
         self._welcome_local = -1  # the server's sessions of targets on its host, as its Welcome said (-1: not said)
         self.hello_at = time.monotonic()  # when the last Hello went out
@@ -161,6 +162,7 @@ class DraftClient:
             self._uneven = None
         self._welcome_level_ms = welcome.level_ms
         self._welcome_wait_ms = welcome.wait_ms
+        self._welcome_pace_ms = welcome.pace_ms
         self.ingest_ms = welcome.ingest_ms
         self._welcome_local = welcome.local
         if self.heartbeat_s > 0 and isinstance(self.link, Socket):
@@ -203,10 +205,17 @@ class DraftClient:
 
     @property
     def wait_ms(self) -> float:
-        """The server's recent time on a request, arrival to reply, as the heartbeat's last Pong said,
-        else as the Welcome did (0: unknown)."""
+        """The server's recent time on a request from its arrival to the start of its draft, as the
+        heartbeat's last Pong said, else as the Welcome did (0: unknown)."""
         beat = self.beat
         return max(0.0, beat.wait_ms if beat is not None and beat.wait_ms >= 0 else self._welcome_wait_ms)
+
+    @property
+    def pace_ms(self) -> float:
+        """The server's recent time per level of a draft batch (its whole time), as the heartbeat's last Pong
+        said, else as the Welcome did (0: unknown)."""
+        beat = self.beat
+        return beat.pace_ms if beat is not None and beat.pace_ms > 0 else self._welcome_pace_ms
 
     @property
     def local_sessions(self) -> int:

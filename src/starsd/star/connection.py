@@ -52,7 +52,8 @@ class Heartbeat(threading.Thread):
         self.gone: frozenset[int] = frozenset()  # tags the server's last answers said it does not hold
         self.level_ms = 0.0  # the server's time per drafted level, as its last Pong said (0: none said it yet)
         self.local = -1  # the server's sessions of targets on its host, as its last Pong said (-1: none said it yet)
-        self.wait_ms = -1.0  # the server's recent time on a request, as its last Pong said (-1: none said it yet)
+        self.wait_ms = -1.0  # the server's recent queue before a draft, as its last Pong said (-1: none said it yet)
+        self.pace_ms = 0.0  # the server's recent time per level of a draft batch, as its last Pong said (0: not yet)
 
     def silent_s(self) -> float:
         """Seconds since the server last answered a ping (or since the heartbeat started, plus
@@ -100,6 +101,8 @@ class Heartbeat(threading.Thread):
                 self.local = msg.local
             if msg.wait_ms >= 0:
                 self.wait_ms = msg.wait_ms
+            if msg.pace_ms > 0:
+                self.pace_ms = msg.pace_ms
         self.gone = frozenset(gone.intersection(held))  # one rebinding: readers see either set
 
     def stop(self) -> None:

@@ -33,13 +33,14 @@ import zmq
 
 from starsd.config import MAX_SAMPLE_TOP_K, DraftConfig, SamplingConfig
 
-PROTOCOL_VERSION = 10  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
+PROTOCOL_VERSION = 11  # 2: settings travel by name, as DraftConfig and SamplingConfig; 3: a sampled draft's q
 # travels as its support (ids and float16 weights), not as float32 [n, V]; 4: Welcome and Pong say the server's
 # level_ms; 5: and its sessions of targets on its own host (`local`); 6: a draft request may say where its chain
 # stops (`stop`: the stream's depth policy chooses it per step); 7: Welcome says the server's ingest_ms; 8: Welcome
 # and Pong say its wait_ms; 9: a draft request may say that more of its sender's follow at once (`more`); 10: a
 # connection holds a session per Hello `stream` (one engine, one connection), a Ping carries many `tags`, and
-# DraftServers lists the star's draft servers to its targets (star/elastic.py)
+# DraftServers lists the star's draft servers to its targets (star/elastic.py); 11: Welcome and Pong's wait_ms is
+# a request's queue, no longer its queue and draft, and pace_ms says a level's time
 
 # Bounds on what one message may carry: a peer cannot make the server allocate without limit.
 # A draft's own bounds (depth, top_k, nodes, seed) are DraftConfig's and SamplingConfig's.
@@ -128,10 +129,13 @@ class Welcome(msgspec.Struct, array_like=True, frozen=True):
     ingest_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's time to ingest one token of a
     # stream it does not hold (a prompt), as its warm-up measured (0: not measured): what a stream's first draft
     # costs beyond its levels (spec_decode/depth.py, Source.unsent)
-    wait_ms: Annotated[float, msgspec.Meta(ge=-1.0, le=1e9)] = -1.0  # the server's recent time on a request, from its
-    # arrival to its reply (queue and draft; ServerStats.wait_ms; -1: none answered yet): a stream that joins a
-    # saturated server knows at once that a draft waited for comes too late (spec_decode/depth.py, Source.server_ms)
+    wait_ms: Annotated[float, msgspec.Meta(ge=-1.0, le=1e9)] = -1.0  # the server's recent time on a request from its
+    # arrival to the start of its draft (its queue; ServerStats.wait_ms; -1: none answered yet): a stream that joins
+    # a saturated server knows at once that a draft waited for comes too late (spec_decode/depth.py, Source.server_ms)
     stream: Annotated[int, msgspec.Meta(ge=0, le=MAX_STREAM)] = 0  # its Hello's: which session of the connection
+    pace_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the server's recent time per level of a draft
+    # batch, the batch's whole time (ServerStats.pace_ms; 0: none measured): a request d levels deep waits about
+    # wait_ms + d * pace_ms
 
 
 class DraftRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -191,6 +195,7 @@ class Pong(msgspec.Struct, array_like=True, frozen=True):
     # for no draft (none pays while the server is saturated) still knows when it has caught up
     unknown: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_PING_TAGS)] = ()  # those of the Ping's `tags`
     # that the server does not hold
+    pace_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # as in Welcome, kept fresh
 
 
 class StatsRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -41,6 +41,14 @@ class RemoteSequence:
     feature_count: int = 0  # rows in `features`
     behind: int = 0  # the last draft given was asked this many committed tokens ago (0: for the current prefix)
     share_ms: float = 0.0  # the server's time on the last draft given, over the streams of its batch
+    arrived: tuple | DraftServerError | None = None  # the reply to the request in flight, read by keep_up() at a
+    # step that asked no draft (or the refusal it was), for the next request to take
+    lag: int | None = None  # the tokens committed when keep_up() found that reply (None: not found by it)
+
+    def forget(self) -> None:
+        """No reply to the request in flight will be read (its server or session is gone)."""
+        self.pending = 0
+        self.arrived = self.lag = None
 
     def add_features(self, chunk: torch.Tensor) -> None:
         self.features.append(chunk)
@@ -165,7 +173,7 @@ class RemoteDrafter:
         # saw: a saturated server is as slow for a stream's first draft as for its hundredth):
         self.lateness = 1.0  # tokens committed between a request and the reading of its reply, when that
         # came after the target had gone on (a draft asked ahead needs to be this much deeper)
-        self.reply_ms = 0.0  # the draft server's time on a request (queue + draft), as this drafter's replies say
+        self.reply_ms = 0.0  # the draft server's queue before a request's draft, as this drafter's replies say
         self.reply_at = -math.inf  # when the last reply came (monotonic s)
 
     def _place(self) -> None:
@@ -211,14 +219,20 @@ class RemoteDrafter:
 
     @property
     def server_ms(self) -> float:
-        """The draft server's time on a request, queue and draft (what a draft asked ahead comes after, at the
-        least): as this drafter's replies say, or as the server says of its recent requests, whichever is
-        longer. A stream that joins a saturated server, or asks for no draft while it is, knows its wait
-        from the server's word (on an AMX Xeon, 32 replay targets that joined one each waited for their
-        first five drafts, 0.7 to 2.3 s each, and decoded at 0.79x alone). The drafter's own figure counts
-        while it is recent (REPLY_FRESH_S): one from a load since gone would keep it from asking again."""
+        """The draft server's time on a request before its draft begins (its queue; what a draft asked ahead
+        comes after, with its levels at pace_ms each): as this drafter's replies say, or as the server says
+        of its recent requests, whichever is longer. A stream that joins a saturated server, or asks for no
+        draft while it is, knows its wait from the server's word (on an AMX Xeon, 32 replay targets that
+        joined one each waited for their first five drafts, 0.7 to 2.3 s each, and decoded at 0.79x alone).
+        The drafter's own figure counts while it is recent (REPLY_FRESH_S): one from a load since gone would
+        keep it from asking again."""
         own = self.reply_ms if time.monotonic() - self.reply_at < REPLY_FRESH_S else 0.0
         return max(own, self.client.wait_ms)
+
+    @property
+    def pace_ms(self) -> float:
+        """The server's recent time per level of a draft batch, its whole time (DraftClient.pace_ms; 0: unknown)."""
+        return self.client.pace_ms
 
     @property
     def level_ms(self) -> float:
@@ -302,18 +316,27 @@ class RemoteDrafter:
             self.timing.taken_late += bool(seq.behind)
             wall = (time.monotonic() - earlier) * 1e3
         self.timing.add(wall, reply.queue_ms, reply.service_ms, reply.batch_size, early)
-        took = reply.queue_ms + reply.service_ms  # a server found faster is believed at once (it is asked
-        # again only now and then while it seems too slow), a slower one over a few replies
-        self.reply_ms = min(took, self.reply_ms + 0.25 * (took - self.reply_ms))
+        queued = reply.queue_ms  # a server found faster is believed at once (it is asked again only now and
+        # then while it seems too slow), a slower one over a few replies
+        self.reply_ms = min(queued, self.reply_ms + 0.25 * (queued - self.reply_ms))
         self.reply_at = time.monotonic()
         return tree
 
-    def keep_up(self, seq: RemoteSequence) -> None:
+    def keep_up(self, seq: RemoteSequence, unsent: int = 0) -> None:
         """On a step that asks no draft (spec_decode/decode.py): a new session's Welcome is read, or a new
         hello sent when one is due, as at any step. A target that stopped asking for a while (no
         draft pays, or it paused after missed deadlines) would otherwise leave the Welcome unread,
-        and the server frees a session it hears nothing of."""
+        and the server frees a session it hears nothing of. The reply to a draft asked ahead is read too, if it
+        has come, with `unsent` (tokens the stream committed that seq does not hold yet) telling how late it
+        came: read only at the next draft asked, a probe's reply 64 steps on would say 64 tokens late."""
         self._session(seq, wait=False)
+        if seq.pending and seq.arrived is None and not self.down:
+            try:
+                seq.arrived = self.client.receive_draft(time.monotonic())
+            except DraftServerError as e:
+                seq.arrived = e
+            if seq.arrived is not None:
+                seq.lag = len(seq.tokens) + unsent - seq.pending
 
     def _session(self, seq: RemoteSequence, wait: bool) -> bool:
         """Whether a session is open for a request now. A session the heartbeat's replies say is gone
@@ -342,7 +365,7 @@ class RemoteDrafter:
         self.down = True
         self._down_at = time.monotonic()
         self.outages += 1
-        seq.pending = 0  # that socket is closed before the next request: no reply of it will be read
+        seq.forget()  # that socket is closed before the next request: no reply of it will be read
         seq.sent = 0  # whatever session comes next starts from the whole accepted prefix
         self._backoff_s = self.BACKOFF_S[0]
         self._retry_at = time.monotonic() + (0.0 if why.code == "unknown_session" else self._backoff_s)
@@ -367,7 +390,7 @@ class RemoteDrafter:
             self._down_at = time.monotonic()
             self.outages += outage
         self.down = True
-        seq.pending = 0  # that socket is closed: no reply of it will be read
+        seq.forget()  # that socket is closed: no reply of it will be read
         seq.sent = 0
         self._tried = 0
         self._move(why, to)
@@ -423,15 +446,17 @@ class RemoteDrafter:
         self._tried = 1
         self.down = False
         seq.sent = 0
-        seq.pending = 0
+        seq.forget()
         return True
 
     def _request(self, seq: RemoteSequence, cfg: DraftConfig, sampling: SamplingConfig, budget: int,
                  until: float | None, more: int = 0) -> tuple[P.DraftReply, DraftTree]:
         if seq.pending:  # a request is in flight (start()'s reset, or a draft that came late): its reply first
+            lag = seq.lag
             reply, tensors = self._settle(seq, until)
-            if seq.sent < len(seq.tokens):
-                self.lateness += 0.25 * (len(seq.tokens) - seq.sent - self.lateness)
+            lag = len(seq.tokens) - seq.sent if lag is None else lag
+            if lag > 0:
+                self.lateness += 0.25 * (lag - self.lateness)
             tree = _tree(tensors).follow(seq.tokens[seq.sent:])  # still a draft of what was committed since?
             if seq.sent == len(seq.tokens) or len(tree):
                 seq.behind = len(seq.tokens) - seq.sent
@@ -450,8 +475,11 @@ class RemoteDrafter:
         """The in-flight request's reply; the server then holds seq.pending tokens. Raises Late if it
         has not come by `until` (monotonic s), DraftServerError if it was refused (and not taken)."""
         held = seq.pending
+        arrived, seq.arrived, seq.lag = seq.arrived, None, None
         try:
-            reply = self.client.receive_draft(until)
+            if isinstance(arrived, DraftServerError):
+                raise arrived
+            reply = arrived or self.client.receive_draft(until)
         except DraftServerError:
             seq.pending = 0
             raise

@@ -276,7 +276,8 @@ class DraftServer:
                 s = self.sessions.open(req.peer, msg, req.user, req.local)
                 self._outbox.send(req.peer, P.Welcome(s.tag, self.name, MAX_DRAFT_NODES, self.drafter.taps,
                                                       self.stats.level_ms(), self.sessions.local(),
-                                                      self.stats.ingest_ms(), self.stats.wait_ms(), msg.stream))
+                                                      self.stats.ingest_ms(), self.stats.wait_ms(), msg.stream,
+                                                      self.stats.pace_ms()))
             elif isinstance(msg, P.Bye):
                 self.sessions.free(self.sessions.owned(req.peer, req.user, msg.tag), "bye")
             else:
@@ -362,7 +363,7 @@ class DraftServer:
         reply = P.DraftReply(s.tag, req.msg.step, (start - req.received) * 1e3, (end - start) * 1e3, batch_size,
                              P.specs(*tensors))
         self.stats.count("replies")  # before the send: a peer that has its reply sees it counted
-        self.stats.replied(reply.queue_ms + reply.service_ms)
+        self.stats.replied(reply.queue_ms)
         self._outbox.send(s.peer, reply, tuple(tensors))
 
     def _draft(self, items: list[tuple[Session, Request]]) -> None:

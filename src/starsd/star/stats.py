@@ -56,8 +56,10 @@ class ServerStats:
         self.work: collections.Counter = collections.Counter()
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
         self.levels: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step batches
-        self.waits: collections.deque = collections.deque(maxlen=33)  # (monotonic s, ms from arrival to reply)
-        # of recent requests
+        self.paces: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step
+        # batches, the batch's own time (not shared out among its sessions): what each of its requests waited a level
+        self.waits: collections.deque = collections.deque(maxlen=33)  # (monotonic s, ms from arrival to the start
+        # of its draft) of recent requests
         self._ingest_ms = 0.0  # ms to ingest one token of a new stream, as the warm-up measured (0: not yet)
 
     def count(self, name: str, n: int = 1) -> None:
@@ -102,17 +104,27 @@ class ServerStats:
         if levels > 0:
             with self.lock:
                 self.levels.append(ms / levels / size)
+                self.paces.append(ms / levels)
 
-    def replied(self, ms: float) -> None:
-        """A request was answered `ms` after it arrived (its queue and its draft)."""
+    def pace_ms(self) -> float:
+        """The median time per level of recent step batches, each batch's whole time (0: none measured):
+        with wait_ms, what a request asked d levels deep waits now, wait_ms + d * pace_ms."""
         with self.lock:
-            self.waits.append((time.monotonic(), ms))
+            return statistics.median_high(self.paces) if self.paces else 0.0
+
+    def replied(self, queue_ms: float) -> None:
+        """A request was answered; it had waited `queue_ms` from its arrival to the start of its draft."""
+        with self.lock:
+            self.waits.append((time.monotonic(), queue_ms))
 
     def wait_ms(self) -> float:
-        """The median of recent requests' time from arrival to reply, of the last WAIT_WINDOW_S: what a new
-        request waits for its draft, whoever asks it (-1: none answered yet; 0: none of late, nothing
-        queues). The waits of a load that has gone are not kept: 30 targets left a server whose last
-        requests had waited 2-3 s, and the two that stayed, told so, asked for no draft for minutes."""
+        """The median of recent requests' time from arrival to the start of their drafts, of the last
+        WAIT_WINDOW_S: what a new request waits before its draft begins, whoever asks it (-1: none answered
+        yet; 0: none of late, nothing queues). Not the draft's own time: a request's levels are its own
+        (pace_ms), and a figure that held the others' (10 deep, beside a target drafting on) weighed a stream's
+        2-level draft as if it were theirs. The waits of a load
+        that has gone are not kept: 30 targets left a server whose last requests had waited 2-3 s, and the
+        two that stayed, told so, asked for no draft for minutes."""
         with self.lock:
             if not self.waits:
                 return -1.0

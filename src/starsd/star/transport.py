@@ -141,7 +141,7 @@ class Transport:
         if isinstance(msg, P.Ping):
             unknown = tuple(tag for tag in msg.tags if not self.on_ping(tag))
             return answer(P.Pong(msg.tag, msg.sent, self.on_ping(msg.tag), self.stats.level_ms(), *self.sessions(),
-                                 self.stats.wait_ms(), unknown))
+                                 self.stats.wait_ms(), unknown, self.stats.pace_ms()))
         if isinstance(msg, P.StatsRequest):
             return answer(P.Stats(self.stats_json()))
         if not isinstance(msg, (P.Hello, P.DraftRequest, P.Bye)):

@@ -278,8 +278,8 @@ class Proposer:
         stream.held = tokens
         stream.source = Source(inline=not drafter.asynchronous, cohosted=drafter.cohosted,
                                neighbours=max(0, drafter.neighbours - (self.on_server[drafter.client.address] - 1)),
-                               server_ms=drafter.server_ms, lateness=drafter.lateness, holds=stream.holds,
-                               unsent=len(new) if stream.holds else len(tokens))
+                               server_ms=drafter.server_ms, pace_ms=drafter.pace_ms, lateness=drafter.lateness,
+                               holds=stream.holds, unsent=len(new) if stream.holds else len(tokens))
         limit = min(self.k, left)
         decision = Decision() if limit <= 0 else (policy.choose(left, stream.source) if self.settings.adaptive
                                                   else Decision(limit))
