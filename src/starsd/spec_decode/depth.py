@@ -37,7 +37,7 @@ class Source:
     cohosted: bool = False  # the server computes on this host's cores: a draft asked ahead is not free
     neighbours: int = 0  # cohosted: the other targets on those cores, each slowed by a draft's compute too
     server_ms: float = 0.0  # a remote server's queue now, before a request's draft begins, as its replies say
-    pace_ms: float = 0.0  # and its time per level of a draft (0: not known): a draft d deep waits server_ms + d * pace_ms
+    pace_ms: float = 0.0  # and its time per level of a draft (0: not known): d levels wait server_ms + d * pace_ms
     lateness: float = 1.0  # tokens the stream commits before a draft asked now can be used
     unsent: int = 0  # tokens of the stream the drafter does not hold: its next draft ingests them first
     ingest_ms: float = 0.0  # the drafter's time to ingest one such token (0: not known)
