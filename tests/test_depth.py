@@ -589,6 +589,8 @@ def test_no_draft_is_asked_ahead_that_would_come_too_late_but_now_and_then_one_i
     assert all(d.ahead == 1 for d in decisions if d.late == "probe")
     asked = [i for i, d in enumerate(decisions) if d.ahead]
     assert len(asked) <= 12 and set(probes) <= set(asked)
+    looked = policy.choose(8, Source(server_ms=150.0))  # the server frees up: a look at once, waited for
+    assert looked.look == "drafting" and looked.depth
     timely = policy.choose(8, Source(server_ms=150.0))  # 6 levels left after two tokens: 3 of them pay
     assert (timely.ahead, timely.late) == (4, "timely") and policy.late_probes == 0  # back to 16 steps apart
 
@@ -780,3 +782,18 @@ def test_a_stream_alone_after_a_load_that_has_gone_drafts_again_at_its_next_look
     first = next(i for i, d in enumerate(chosen) if d)
     assert first <= policy.explore << 4 and sum(map(bool, chosen[first:])) >= 0.8 * len(chosen[first:])
     assert max(ingested) <= 9  # at most max_depth + 1: a step's own
+
+
+def test_a_look_comes_at_once_when_a_server_too_slow_at_the_last_one_frees_up():
+    """Seen on an AMX Xeon (bench elastic, at 2a0e79e): of two targets left when 30 went, one decoded
+    alone for 70 s more. At 32 targets its looks had found the server too slow and been asked ahead,
+    each doubling the wait for the next, to 256 steps. A stream whose last look found the server too
+    slow looks again as soon as the server's word says a look could pay (with the rule off: 103 steps
+    on, here)."""
+    policy = learnt(right=3)
+    for _ in range(600):  # the server too slow: looks are probes, ever more rarely
+        policy.choose(8, Source(server_ms=2000.0, pace_ms=40.0, holds=True))
+        policy.observe(0, 0, None, 1, 100.0)
+    assert policy.probed and policy.idle_looks >= 4
+    chosen = [policy.choose(8, Source(server_ms=0.0, pace_ms=40.0, holds=True)) for _ in range(2)]
+    assert chosen[0].look == "drafting" and chosen[0].depth

@@ -119,6 +119,14 @@ class Situation:
         """What a remote server's own word says a draft this deep waits now: its queue and its levels."""
         return self.source.server_ms + levels * self.source.pace_ms
 
+    def freed(self) -> bool:
+        """Whether, by a remote server's own word, a look at the best draft could pay now, waited for."""
+        limit = min(self.limit, self.max_depth)
+        if self.source.inline or limit < 1:
+            return False
+        d = max(range(1, limit + 1), key=self.by_means.__getitem__)
+        return self.could_pay(d) and self.could_pay(d, self.server_wait(d))
+
     def lacking(self) -> int:
         """Tokens the drafter lacks beyond a step's own (what was decoded alone since its last draft): its
         next draft ingests them first."""
@@ -253,6 +261,7 @@ class DepthPolicy:
     since: int = 0  # steps since the last look beside the choice
     looks: int = 0  # looks beside a chosen depth so far (they take turns: shallower, deeper)
     idle_looks: int = 0  # looks in a row at drafting while decoding alone (each doubles the interval)
+    probed: bool = False  # the last such look found the server too slow to wait for (a probe, asked ahead)
     paused: int = 0  # steps left to decode alone after a missed deadline
     misses: int = 0  # deadlines missed in a row (each doubles the next pause)
     late_asks: int = 0  # steps since the last draft asked ahead while the server was too slow for one
@@ -288,6 +297,9 @@ class DepthPolicy:
                     due_alone=self.since >= self.explore << min(self.idle_looks, 4), turn=self.looks % 2,
                     late_due=self.late_asks + 1 >= self.explore << min(self.late_probes, 3),
                     before_prefill=before_prefill)
+        if self.probed and not paused and not turn["due_alone"] and self.situation(limit, source).freed():
+            turn["due_alone"] = True  # the server too slow at the last look says it could serve a look now: one
+            # now, not up to 256 steps on (a target left by 30 decoded alone 70 s after they went)
         drawn = None if source.stops else tuple(self.acceptance.rates(self.rng))
         decision = decide(self.situation(limit, source, drawn=drawn, **turn))
         self.looking = decision.look == "drafting"
@@ -296,6 +308,8 @@ class DepthPolicy:
         if decision.look and decision.look != "catch-up":
             self.since = 0
         self.idle_looks += decision.look in ("drafting", "probe")
+        if decision.look in ("drafting", "probe"):
+            self.probed = decision.look == "probe"
         self.looks += decision.look == "beside"
         if decision.late == "held":
             self.late_asks += 1
