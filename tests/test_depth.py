@@ -786,7 +786,7 @@ def test_a_stream_alone_after_a_load_that_has_gone_drafts_again_at_its_next_look
 
 def test_a_look_comes_at_once_when_a_server_too_slow_at_the_last_one_frees_up():
     """Seen on an AMX Xeon (bench elastic, at 2a0e79e): of two targets left when 30 went, one decoded
-    alone for 70 s more. At 32 targets its looks had found the server too slow and been asked ahead,
+    alone for about 90 s more. At 32 targets its looks had found the server too slow and been asked ahead,
     each doubling the wait for the next, to 256 steps. A stream whose last look found the server too
     slow looks again as soon as the server's word says a look could pay (with the rule off: 103 steps
     on, here)."""

@@ -290,6 +290,8 @@ def test_bench_elastic_adds_a_server_under_load_and_retires_it_when_the_targets_
     assert result["metrics"]['starsd:elastic_draft_servers'] == 1.0
     busy = result["phases"][0]
     assert busy["targets"] == 4 and busy["servers"]["most"] == 2 and busy["min_over_alone"] > 0
+    work = busy["drafting"]  # what the answers begun in its window did with drafts
+    assert work["answers"] > 0 and work["steps"] >= work["answers"] and 0 < work["drafted"] <= work["steps"]
     assert result["phases"][1]["servers"]["at_end"] == 1
     assert [x["servers"] for x in result["listed"]][-1] == [result["listed"][0]["servers"][0]]  # the first stays
 

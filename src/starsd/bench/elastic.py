@@ -210,7 +210,8 @@ def figures(args, ramp_spec, starts, end, rows, alone, controller: Recorded, lis
                     "min_over_alone": min(rates.values()) / base if n else None,  # (a phase of none: an idle star)
                     "mean_over_alone": sum(rates.values()) / n / base if n else None,
                     "servers": {"least": min(servers, default=None), "most": max(servers, default=None),
-                                "at_end": servers[-1] if servers else None}})
+                                "at_end": servers[-1] if servers else None},
+                    "drafting": drafting(rows, w0, t1)})
     timeline = bins(its, controller, starts[0], end, base)
     decisions = [{"t": s["t"] - starts[0], "action": s["action"], "why": s["why"], "servers": s["servers"]}
                  for s in controller.steps if s["action"] != "hold"]
@@ -234,6 +235,18 @@ def figures(args, ramp_spec, starts, end, rows, alone, controller: Recorded, lis
             "listed": [{"t": x["t"] - starts[0], "servers": x["servers"]} for x in listed],
             "controller_steps": [{**s, "t": s["t"] - starts[0]} for s in controller.steps],
             "timeline": timeline, "checks": checks}
+
+
+def drafting(rows: list[dict], t0: float, t1: float) -> dict:
+    """What the answers begun in [t0, t1) (unix s) did with drafts, summed: their steps, those that verified
+    a draft, those that asked one ahead or looked for one asked earlier and verified none, the drafts
+    taken at a later step than asked, and the drafts waited for that missed their deadline."""
+    now = [r for r in rows if t0 <= r["started"] < t1]
+    steps = [(d, a) for r in now for d, a in zip(r["depths"], r["asked"])]
+    return {"answers": len(now), "steps": len(steps), "drafted": sum(1 for d, _ in steps if d),
+            "asking_ahead": sum(1 for d, a in steps if a and not d),
+            "taken_late": sum(r["draft"].get("taken_late", 0) for r in now),
+            "missed": sum(r["draft"].get("late", 0) for r in now)}
 
 
 def bins(its, controller: Recorded, t0: float, end: float, base: float, bin_s: float = 10.0) -> list[dict]:

@@ -299,7 +299,7 @@ class DepthPolicy:
                     before_prefill=before_prefill)
         if self.probed and not paused and not turn["due_alone"] and self.situation(limit, source).freed():
             turn["due_alone"] = True  # the server too slow at the last look says it could serve a look now: one
-            # now, not up to 256 steps on (a target left by 30 decoded alone 70 s after they went)
+            # now, not up to 256 steps on (of two targets left by 30, one decoded alone for about 90 s after they went)
         drawn = None if source.stops else tuple(self.acceptance.rates(self.rng))
         decision = decide(self.situation(limit, source, drawn=drawn, **turn))
         self.looking = decision.look == "drafting"
