@@ -119,13 +119,16 @@ class Situation:
         """What a remote server's own word says a draft this deep waits now: its queue and its levels."""
         return self.source.server_ms + levels * self.source.pace_ms
 
+    @cached_property
+    def look_at(self) -> int:
+        """The depth a look at drafting, while decoding alone, asks: the best by the means (0: none allowed)."""
+        limit = min(self.limit, self.max_depth)
+        return max(range(1, limit + 1), key=self.by_means.__getitem__) if limit >= 1 else 0
+
     def freed(self) -> bool:
         """Whether, by a remote server's own word, a look at the best draft could pay now, waited for."""
-        limit = min(self.limit, self.max_depth)
-        if self.source.inline or limit < 1:
-            return False
-        d = max(range(1, limit + 1), key=self.by_means.__getitem__)
-        return self.could_pay(d) and self.could_pay(d, self.server_wait(d))
+        d = self.look_at
+        return not self.source.inline and d > 0 and self.could_pay(d) and self.could_pay(d, self.server_wait(d))
 
     def lacking(self) -> int:
         """Tokens the drafter lacks beyond a step's own (what was decoded alone since its last draft): its
@@ -205,9 +208,9 @@ def decide(s: Situation) -> Decision:
     if not s.paused and limit > 0 and (s.due if drafts else s.due_alone):  # a look beside the choice
         look = "none"
         if not drafts:  # at the best draft, where it could pay and the drafter need not ingest for it
-            d = max(range(1, limit + 1), key=s.by_means.__getitem__)
+            d = s.look_at
             if s.could_pay(d) and (src.holds or not src.cohosted) and s.catch_up_pays(d):
-                if src.inline or s.could_pay(d, s.server_wait(d)):
+                if src.inline or s.freed():
                     best, look = d, "drafting"
                 else:  # no wait at this server could pay: a level asked ahead, its reply tells the server's queue
                     probe, look = 1, "probe"
