@@ -424,8 +424,12 @@ def test_a_reply_found_at_a_step_that_asked_none_says_how_late_it_came(dirs):
         drafter = RemoteDrafter(rig.client)
         seq = drafter.start([5, 17, 33, 2])
         assert not len(drafter.propose(seq, [], DRAFT, GREEDY, max_depth=3, deadline_ms=0))  # asked ahead
-        time.sleep(0.5)
-        for t in range(40):
+        deadline = time.monotonic() + 10
+        drafter.keep_up(seq, unsent=1)  # the first step decoded alone: the reply is found at it, however loaded
+        while seq.arrived is None and time.monotonic() < deadline:  # the host (each call the same step again)
+            time.sleep(0.05)
+            drafter.keep_up(seq, unsent=1)
+        for t in range(1, 40):
             drafter.keep_up(seq, unsent=t + 1)
         tree = drafter.propose(seq, [7] * 40, DRAFT, GREEDY, max_depth=3, deadline_ms=0)
     finally:
