@@ -221,7 +221,8 @@ def decide(s: Situation) -> Decision:
     ahead = 0  # a draft asked without waiting
     late = ""
     behind = None  # the tokens the stream commits before such a draft can be used (None: none is asked)
-    wait = s.server_wait(min(s.limit, s.max_depth))  # the server's own time on a draft asked ahead
+    # the server's own time on a draft asked ahead, the tokens it lacks ingested first (a prompt, at its first draft)
+    wait = s.server_wait(min(s.limit, s.max_depth)) + (0.0 if src.inline else s.lacking() * src.ingest_ms)
     if s.before_prefill and not src.inline:  # a prompt's first draft: the prefill's time to come, and the
         if not (src.cohosted and not pays):  # prompt to ingest on a co-hosted server's cores
             behind = src.lateness - s.prefill_ms / max(s.verify_ms(1), 1e-6)
@@ -239,10 +240,11 @@ def decide(s: Situation) -> Decision:
             # whose reply tells the server's queue (a deeper one costs the server more and tells no more)
         elif useful:
             ahead, late = min(useful + behind, cap), "timely"
-    if best and not src.inline and src.holds and s.lacking():  # a remote drafter lacks what the stream decoded
-        # alone since its last draft: it ingests that asked ahead, a level, and the draft waited for at the next step
-        # measures a draft, not an ingest; a look stays due till then (a prompt's first draft, which ingests the
-        # prompt, is waited for and not counted as a draft's cost: spec_decode/decode.py)
+    if best and not src.inline and s.lacking() and not s.before_prefill:  # a remote drafter lacks what the
+        # stream decoded alone since its last draft (or its prompt, where no first draft was asked): it ingests that
+        # asked ahead, a level, and the draft waited for at the next step measures a draft, not an ingest; a look
+        # stays due till then (a prompt's first draft, which ingests the prompt, is waited for and not counted as
+        # a draft's cost: spec_decode/decode.py)
         return Decision(0, 0.0, 1, s.stop(), drafts, "catch-up" if look == "drafting" else look, "")
     return Decision(best, s.deadline_ms(best) if best else 0.0, ahead, s.stop(), drafts, look, late)
 
