@@ -587,6 +587,37 @@ def test_no_draft_is_asked_ahead_whose_first_levels_would_likely_differ_from_wha
     assert decided(three, 8).late == "timely" and decided(three, 8).ahead > 0
 
 
+def test_a_stream_that_measured_little_still_asks_ahead_now_and_then():
+    """Whether a late draft would be taken is judged on one Thompson draw of the acceptance: a stream
+    whose two drafts were poorly accepted (both rejected at once) still asks ahead now and then, though
+    a draft a token late is taken only if its first token is right, and so measures more; one that
+    measured 128 such drafts does not. Judged
+    on the means, the first never asked again: of two targets at one server (bench elastic), one
+    decoded alone for 120 s after its first answer's two drafts."""
+    def stream(drafts: int) -> DepthPolicy:
+        policy = DepthPolicy(8, explore=16)
+        for w, ms in {1: 220, 2: 222, 5: 226, 9: 230}.items():
+            for _ in range(3):
+                policy.verify_ms.add(w, ms)
+        for _ in range(drafts):
+            policy.observe(3, 0, 300.0, 4, 222.0, asked=3)
+        return policy
+
+    away = Source(server_ms=40.0, pace_ms=20.0, holds=True, unsent=1)  # 200 ms for 8 levels: a token late
+    asks = lambda policy: sum(policy.choose(8, away).late == "timely" for _ in range(200))
+    assert asks(stream(2)) >= 5 and asks(stream(128)) == 0
+
+
+def test_a_stream_that_drafts_asks_its_prompts_ingest_before_the_prefill_however_late_its_draft():
+    """A stream whose drafts pay needs its prompt ingested whatever the first draft's timing: a level is
+    asked before the prefill, which hides the ingest, though a deeper first draft would come too late."""
+    policy = DepthPolicy(8, explore=16)
+    run(policy, 64, decode_ms=100, verify_per_token=5, draft_per_level=5, wait_ms=2, right=8)
+    policy.prefill(100.0)
+    first = decided(policy, 8, True, pace_ms=40.0, unsent=150, ingest_ms=10.0)
+    assert first.depth > 0 and first.ahead == 1
+
+
 def test_no_draft_is_asked_ahead_that_would_come_too_late_but_now_and_then_one_is():
     """As above (a draft right for three tokens, 100 ms a token alone), but the server takes 2 s on
     a request: 20 tokens pass before a draft at most 8 deep comes, so none is asked but a probe (one

@@ -78,7 +78,8 @@ class Situation:
     reach: Acceptance  # whether a draft went on past each level where it was asked to
     onward: Acceptance  # the same, of drafts whose levels up to there were all accepted
     prefill_ms: float = 0.0  # the last prompt's prefill
-    drawn: tuple[float, ...] | None = None  # one Thompson draw of each position's acceptance (how deep)
+    drawn: tuple[float, ...] | None = None  # one Thompson draw of each position's acceptance (how deep, and
+    # whether a draft asked ahead is likely taken: a stream that measured little asks one now and then, and learns)
     paused: bool = False  # the schedule's turn: decode alone, a pause after missed deadlines
     second: bool = False  # the stream's second step
     due: bool = False  # a look beside a choice that drafts is due
@@ -104,11 +105,11 @@ class Situation:
             accepted += run
         return levels, accepted
 
-    def followed(self, k: int) -> float:
+    def followed(self, k: int, rates=None) -> float:
         """The chance that a draft asked now is still one of the stream once it has committed k tokens more
         (a draft k tokens late is used only then): its first k levels drafted, and each what it committed."""
         go, on = self.means[1:]
-        acc = self.means[0]
+        acc = rates or self.means[0]
         run = 1.0
         for j in range(k):
             if j >= self.max_depth:
@@ -253,11 +254,13 @@ def decide(s: Situation) -> Decision:
         late_by = max(behind, math.ceil(wait / max(s.verify_ms(1), 1e-6)))  # tokens committed before it comes
         if probe:
             ahead = min(probe, cap)
-        elif useful and (not s.deepest(s.asked_ahead, cap - late_by) or s.followed(late_by) < FOLLOWED):
+        elif useful and (not s.deepest(s.asked_ahead, cap - late_by) or s.followed(late_by, s.drawn) < FOLLOWED):
             ahead, late = (1, "probe") if s.late_due else (0, "held")  # too late to pay: a level now and then,
             # whose reply tells the server's queue (a deeper one costs the server more and tells no more)
         elif useful:
             ahead, late = min(useful + behind, cap), "timely"
+    if s.before_prefill and best and not src.inline and not ahead:  # a stream that drafts needs the prompt
+        ahead = 1  # ingested: asked now, the prefill hides it, and the first step takes its level if it has come
     if best and not src.inline and s.lacking() and not s.before_prefill:  # a remote drafter lacks what the
         # stream decoded alone since its last draft (or its prompt, where no first draft was asked): it ingests that
         # asked ahead, a level, and the draft waited for at the next step measures a draft, not an ingest; a look
@@ -323,7 +326,7 @@ class DepthPolicy:
         if self.probed and not paused and not turn["due_alone"] and self.situation(limit, source).freed():
             turn["due_alone"] = True  # the server too slow at the last look says it could serve a look now: one
             # now, not up to 256 steps on (of two targets left by 30, one decoded alone for about 90 s after they went)
-        drawn = None if source.stops else tuple(self.acceptance.rates(self.rng))
+        drawn = tuple(self.acceptance.rates(self.rng))
         decision = decide(self.situation(limit, source, drawn=drawn, **turn))
         self.looking = decision.look == "drafting"
         if decision.drafts:
