@@ -1,4 +1,5 @@
-"""Drafting many sequences in one batch gives exactly the trees each would get alone (fp32)."""
+"""Drafting many sequences in one batch gives exactly the trees each would get alone (fp32), each given
+as soon as it is whole."""
 
 import random
 
@@ -32,7 +33,12 @@ def test_batch_equals_one_at_a_time(tiny_drafters, cfgs):
     pending = [[] for _ in prompts]
     for step in range(6):
         jobs = [DraftJob(s, list(new), c, GREEDY) for s, new, c in zip(batched, pending, cfgs)]
-        got = drafter.propose_batch(jobs)
+        given = {}
+        got = drafter.propose_batch(jobs, done=lambda i, tree: given.setdefault(i, tree))
+        # each draft whole before the batch's last level was given as soon as it was, and is what comes back
+        assert all(_trees_equal(tree, got[i]) and tree.depth() < max(t.depth() for t in got) for i, tree in given.items())
+        if step == 0 and cfgs[2].depth == 7:
+            assert set(given) == {0, 1, 3}
         for i, (seq, cfg) in enumerate(zip(solo, cfgs)):
             want = drafter.propose(seq, list(pending[i]), cfg, GREEDY)
             assert _trees_equal(got[i], want), (step, i)

@@ -138,7 +138,7 @@ class SlowNowAndThen(Drafter):
         self.batches = 0
         self.firsts = 0
 
-    def propose_batch(self, jobs, stop=None):
+    def propose_batch(self, jobs, stop=None, done=None):
         self.batches += 1
         if any(j.seq.cached == 0 for j in jobs):
             self.firsts += 1
@@ -146,7 +146,7 @@ class SlowNowAndThen(Drafter):
                 time.sleep(self.slow_s.value * SLOW_FIRST / SLOW)
         if self.batches % SLOW_EVERY == 0:
             time.sleep(self.slow_s.value)
-        return super().propose_batch(jobs, stop)
+        return super().propose_batch(jobs, stop, done)
 
 
 def draft_model():

@@ -190,9 +190,9 @@ class RecordedDrafter(Drafter):
               max_depth: int = 0) -> DraftSequence:
         return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, 64))
 
-    def _propose_batch(self, jobs: list[DraftJob], stop) -> list[DraftTree]:
+    def _propose_batch(self, jobs: list[DraftJob], stop, done=None) -> list[DraftTree]:
         ingested = 0
-        chains = []
+        chains, own = [], []
         levels = 1
         for job in jobs:
             seq = job.seq
@@ -211,12 +211,18 @@ class RecordedDrafter(Drafter):
                 self.misses += 1
                 got = ([], [])
             chains.append(got)
-            levels = max(levels, len(got[0]) or depth)
+            own.append(len(got[0]) or depth)  # the levels this job's draft takes
+            levels = max(levels, own[-1])
         cost = self.recording.cost
         level_ms = cost.level_ms(len(jobs))
         time.sleep(max(0.0, cost.ms(ingested, 0) + level_ms) / 1e3)  # the ingest and the first level
         drafted = 1
+        given = set()
         while drafted < levels and not (stop is not None and stop()):
+            for i, ((chain, _), n) in enumerate(zip(chains, own)):  # whole before the deepest: given now, as
+                if done is not None and i not in given and n <= drafted:  # the real drafter does
+                    given.add(i)
+                    done(i, DraftTree.chain(chain[:drafted]))
             time.sleep(level_ms / 1e3)
             drafted += 1
         trees = []

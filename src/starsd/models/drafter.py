@@ -214,13 +214,17 @@ class Drafter(LocalDrafting):
                                             features=features)])[0]
 
     @torch.inference_mode()
-    def propose_batch(self, jobs: list[DraftJob], stop=None) -> list[DraftTree]:
+    def propose_batch(self, jobs: list[DraftJob], stop=None, done=None) -> list[DraftTree]:
         """Draft for several sequences at once: one forward pass per tree level for all of them.
         `stop()`, if given, is asked before every level after the first; True ends every draft there
-        (each tree holds the levels drafted so far, and each sequence the state that goes with them)."""
+        (each tree holds the levels drafted so far, and each sequence the state that goes with them).
+        `done(i, tree)`, if given, is called with job i's draft as soon as it is whole (its chain stopped,
+        or it reached its depth), before the others' later levels: a server replies to it then, and a
+        draft one level deep does not wait for one ten deep beside it. On an error every sequence is
+        left as it was, those already given to `done` too."""
         before = [(len(j.seq.tokens), j.seq.cached, j.seq.features) for j in jobs]
         try:
-            return self._propose_batch(jobs, stop)
+            return self._propose_batch(jobs, stop, done)
         except BaseException:  # leave every sequence as it was, so the caller may retry or isolate
             for job, (length, cached, features) in zip(jobs, before):
                 del job.seq.tokens[length:]
@@ -230,7 +234,7 @@ class Drafter(LocalDrafting):
                 job.seq.features = features
             raise
 
-    def _propose_batch(self, jobs: list[DraftJob], stop) -> list[DraftTree]:
+    def _propose_batch(self, jobs: list[DraftJob], stop, done=None) -> list[DraftTree]:
         for job in jobs:
             job.seq.tokens.extend(job.new_tokens)
             if self.eagle:
@@ -253,7 +257,12 @@ class Drafter(LocalDrafting):
                 e.root_feature = h
         _grow(expansions, list(range(len(jobs))), [[ROOT]] * len(jobs), _logits(self.model, hidden))
         start, fed = time.perf_counter(), 0
+        given = set()  # jobs whose drafts went to `done`
         while active := [i for i, e in enumerate(expansions) if e.wants_more()]:
+            if done is not None and len(active) + len(given) < len(jobs):
+                for i in sorted(set(range(len(jobs))) - set(active) - given):
+                    given.add(i)
+                    done(i, expansions[i].tree())
             if stop is not None and stop():
                 break
             batch.retire_all_but(active, expansions)

@@ -377,23 +377,33 @@ class DraftServer:
                          s.sampling, s.generator, max_depth=r.msg.budget - 1, features=self._features(r))
                 for s, r in items]
         states = [None if s.generator is None else s.generator.get_state() for s, _ in items]
+        replied: set[int] = set()
+
+        def done(i: int, tree: DraftTree) -> None:  # a draft whole before the batch's deepest: its reply now
+            replied.add(i)
+            self._reply(*items[i], tree, start, time.perf_counter(), len(items))
+
         try:
-            trees = self.drafter.propose_batch(jobs)
+            trees = self.drafter.propose_batch(jobs, done=done)
         except Exception:
             self.stats.abandon()
-            return self._isolate(items, states)
+            for i in replied:  # its reply went out, and the drafter has undone the state it was drafted from:
+                items[i][0].seq = None  # the stream's next request must be a reset
+            rest = [k for k in range(len(items)) if k not in replied]
+            return self._isolate([items[k] for k in rest], [states[k] for k in rest]) if rest else None
         end = time.perf_counter()
         self.stats.batch(start, end, len(items))
         if not any(r.msg.reset for _, r in items):  # a prompt's ingest is not what a level costs
             self.stats.level((end - start) * 1e3, max(t.depth() for t in trees), len(items))
-        for (s, r), job, tree, tokens in zip(items, jobs, trees, ingest):
+        for k, ((s, r), job, tree, tokens) in enumerate(zip(items, jobs, trees, ingest)):
             self.stats.drafted("reset" if r.msg.reset else "step", tokens)
             s.carry = []
             s.draft = job.cfg  # where its chain stops, as the last request said: pre-drafts follow it
             s.last_chain = tree.tokens.tolist() if s.draft.is_chain and tree.q is None else []
             s.last_second = job.second[:len(s.last_chain)]
             s.budget = r.msg.budget
-            self._reply(s, r, tree, start, end, len(items))
+            if k not in replied:
+                self._reply(s, r, tree, start, end, len(items))
         for s in fresh:
             self.sessions.drafted(s)
 
