@@ -861,3 +861,21 @@ def test_a_look_comes_at_once_when_a_server_too_slow_at_the_last_one_frees_up():
     assert policy.probed and policy.idle_looks >= 4
     chosen = [policy.choose(8, Source(server_ms=0.0, pace_ms=40.0, holds=True)) for _ in range(2)]
     assert chosen[0].look == "drafting" and chosen[0].depth
+
+
+def test_missed_deadlines_in_a_row_never_wait_more_than_twice_what_a_draft_could_win():
+    """A draft that misses its deadline counts as having taken it, and a deadline allows twice a draft's
+    expected time: each miss in a row doubled the next wait. Seen on an AMX Xeon (bench elastic, 32
+    replay targets on two servers, 230 ms a token alone): waits of 1.6 s, then 3.2 s, for drafts that
+    never came. The wait stays within twice what a draft could win (here 3 tokens of 8 accepted)."""
+    policy = DepthPolicy(8, explore=16, verify_ms=measured_table({1: 230, 9: 232}))
+    for _ in range(20):
+        policy.acceptance.add(8, 3)
+    waits = []
+    for _ in range(6):
+        s = policy.situation(8)
+        waits.append(s.deadline_ms(8))
+        policy.missed(8, waits[-1])
+    levels, accepted = s.expect(8)
+    pays = (1 + accepted) * 230 - 232
+    assert waits[0] == pytest.approx(pays, rel=0.01) and max(waits) <= 2 * pays + 1
