@@ -127,10 +127,10 @@ def test_stop_is_prompt_however_long_the_queue(tiny_drafters):
         device = tiny_drafters["good"].device  # without it every request was refused at once (internal): no queue
         taps = None
 
-        def propose_batch(self, jobs, done=None):
+        def propose_batch(self, jobs, stop=None, done=None):
             began.append(time.monotonic())
             time.sleep(0.3)
-            return tiny_drafters["good"].propose_batch(jobs, done=done)
+            return tiny_drafters["good"].propose_batch(jobs, stop=stop, done=done)
 
         def start(self, prompt_ids):
             return tiny_drafters["good"].start(prompt_ids)
@@ -182,11 +182,11 @@ class Gated:
     def start(self, prompt_ids):
         return self.inner.start(prompt_ids)
 
-    def propose_batch(self, jobs, done=None):
+    def propose_batch(self, jobs, stop=None, done=None):
         if self.closed.is_set():
             self.entered.set()
             self.opened.wait(10)
-        return self.inner.propose_batch(jobs, done=done)
+        return self.inner.propose_batch(jobs, stop=stop, done=done)
 
 
 def test_a_request_refused_as_busy_costs_one_draft_not_the_session(tiny_target, tiny_drafters):
@@ -559,3 +559,38 @@ def test_a_shallow_draft_is_answered_before_a_deep_one_drafted_beside_it(make_se
             batched += 1
             assert a.service_ms < b.service_ms, (a, b)
     assert batched >= 4
+
+
+def test_a_request_that_comes_during_a_deep_draft_ends_it_at_its_level(tiny_drafters):
+    """A stream's draft ten levels deep, 50 ms a level here; another stream's request comes 120 ms into
+    it. The batch ends at the level it has reached (the deep draft goes out as deep as it got) and the
+    newcomer is drafted next, not after the other's ten levels."""
+    inner = tiny_drafters["good"]
+
+    class Slow:  # the tiny drafter, 50 ms a level
+        model, device, taps = inner.model, inner.device, None
+
+        def start(self, prompt_ids):
+            return inner.start(prompt_ids)
+
+        def propose_batch(self, jobs, stop=None, done=None):
+            slow = lambda: (time.sleep(0.05), stop is not None and stop())[1]
+            time.sleep(0.05)
+            return inner.propose_batch(jobs, stop=slow, done=done)
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = DraftServer(Slow(), FP, 128, ServerConfig(bind=address, predraft=False))
+    thread = server.start()
+    try:
+        deep, late = client(address), client(address)
+        ten = (DraftConfig(depth=10, min_path_prob=0.0, adaptive=False), GREEDY)
+        late.draft([7, 8, 9], 2, *ten)  # its session's prompt, held: its next request is a step
+        deep.send_draft([1, 2, 3], 11, *ten)
+        time.sleep(0.12)
+        late.send_draft([5], 2)
+        (d, dt), (n, nt) = deep.receive_draft(), late.receive_draft()
+        assert 1 <= len(dt[0]) < 10 and len(nt[0]) == 1
+        assert n.queue_ms < 250, n  # not the 400 ms the deep draft's other levels would have taken
+    finally:
+        server.stop()
+        thread.join(timeout=5)

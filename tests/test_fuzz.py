@@ -276,13 +276,17 @@ class HonestSession:
         self.sent = (reset, tokens, budget)
 
     def receive(self) -> F.Exchange:
-        """The reply to the request in flight, checked against the local drafter."""
+        """The reply to the request in flight, checked against the local drafter as deep as the reply went
+        (the server ends a batch at its level when another session's request comes: server._cut)."""
         reset, tokens, budget = self.sent
         _, tensors = self.client.receive_draft()
         if reset:
             self.local = self.drafter.start(tokens)
-        want = self.drafter.propose(self.local, [] if reset else tokens, self.draft, F.GREEDY, max_depth=budget - 1)
         got = F.Exchange(reset, tokens, budget, tensors[0].tolist(), tensors[1].tolist())
+        depth = F.depth_of(got.parents)
+        assert depth, "an empty draft"
+        want = self.drafter.propose(self.local, [] if reset else tokens, self.draft, F.GREEDY,
+                                    max_depth=min(budget - 1, depth))
         assert (got.drafted, got.parents) == (want.tokens.tolist(), want.parents.tolist()), "noise changed a draft"
         self.sent = None
         self.drafts += 1

@@ -394,8 +394,10 @@ class Exchange:
 
 
 def accepted_path(tokens: list[int], parents: list[int], rng: random.Random) -> list[int]:
-    """The tokens from the root to a random node of a draft (none, sometimes): what a target accepts."""
-    node = rng.randrange(-1, len(tokens))
+    """The tokens from the root to a random node of a draft (none, sometimes): what a target accepts. One
+    draw whatever the draft's size (a test's hypothesis-driven generator must draw alike in every replay,
+    and a draft's depth depends on what else the server had to do: server._cut)."""
+    node = min(len(tokens) - 1, int(rng.random() * (len(tokens) + 1)) - 1)
     path = []
     while node >= 0:
         path.append(tokens[node])
@@ -444,15 +446,28 @@ class Honest(threading.Thread):
         self.client.close()
 
 
+def depth_of(parents: list[int]) -> int:
+    """The levels of a draft, from its nodes' parents (-1: the root)."""
+    levels: list[int] = []
+    for parent in parents:
+        levels.append(1 + (levels[parent] if parent >= 0 else 0))
+    return max(levels, default=0)
+
+
 def replay_locally(drafter: Drafter, draft: DraftConfig, log: list[Exchange]) -> int:
-    """Run an honest session's requests through the drafter in this process; the number of drafts
-    that differ from what the server sent."""
+    """Run an honest session's requests through the drafter in this process, each as deep as the
+    server's went (a batch ends at its level when another session's request comes: server._cut); the
+    number of drafts that differ from what the server sent, an empty one included."""
     seq = None
     differ = 0
     for x in log:
         if x.reset:
             seq = drafter.start(x.tokens)
-        tree = drafter.propose(seq, [] if x.reset else x.tokens, draft, GREEDY, max_depth=x.budget - 1)
+        depth = depth_of(x.parents)
+        if not depth:
+            differ += 1
+            continue
+        tree = drafter.propose(seq, [] if x.reset else x.tokens, draft, GREEDY, max_depth=min(x.budget - 1, depth))
         differ += tree.tokens.tolist() != x.drafted or tree.parents.tolist() != x.parents
     return differ
 

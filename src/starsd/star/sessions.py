@@ -145,6 +145,11 @@ class Sessions:
         log.info("session %x opened for %s%s", s.tag, s.name, " (on this host)" if local else "")
         return s
 
+    def holds(self, peer: bytes, user: str, tag: int) -> bool:
+        """Whether `tag` is a session of this connection (and key), as owned() would find it; changes nothing."""
+        s = self._by_tag.get(tag)
+        return s is not None and s.peer == peer and s.user == user
+
     def owned(self, peer: bytes, user: str, tag: int) -> Session:
         """The session `tag`, if this connection (and this authenticated key) owns it. Raises Refused."""
         s = self._by_tag.get(tag)
