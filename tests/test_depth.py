@@ -576,8 +576,8 @@ def test_no_draft_is_asked_ahead_where_even_a_free_one_loses():
 
 
 def test_no_draft_is_asked_ahead_whose_first_levels_would_likely_differ_from_what_comes_before_it():
-    """Seen on an AMX Xeon (bench elastic): 32 replay targets on two servers asked 10 levels ahead at 1,900
-    steps, each draft about five tokens late, and 14 were taken: a late draft is used only if its first
+    """Seen on an AMX Xeon (bench elastic): 32 replay targets on two servers asked 10 levels ahead at 1,932
+    steps of a run, each draft several tokens late, and 14 were taken: a late draft is used only if its first
     levels are the tokens committed before it came, and the servers, busy 96% of the time, answered late
     the drafts that were waited for. A server 480 ms away (5 tokens at 100 ms each): drafts right for
     three tokens are not asked ahead, drafts right for eight are; and one in time is asked either way."""

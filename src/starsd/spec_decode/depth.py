@@ -30,7 +30,8 @@ MAX_STOP = 0.95  # the highest chain stopping threshold stop() gives: a chain al
 # A draft asked ahead that comes k tokens late is taken only if its first k levels are what the stream committed
 # meanwhile: it is asked only where that is likelier than not (Situation.followed). Each one takes its server's
 # time from the other streams' drafts: on an AMX Xeon, 32 replay targets on two servers asked 10 levels ahead at
-# 1,900 steps, about 5 tokens late, with 14 taken; the servers, busy 96% of the time, answered late what was waited for
+# 1,932 steps of a run, several tokens late by the servers' own figures, with 14 taken; the servers, busy 96% of the
+# time, answered late what was waited for
 FOLLOWED = 0.5
 
 
