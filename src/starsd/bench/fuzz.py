@@ -41,6 +41,7 @@ from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.models.drafter import Drafter
 from starsd.models.tiny import VOCAB, tiny_model
 from starsd.results import bar_panels, summary, write_json
+from starsd.spec_decode.tree import depths
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient
 from starsd.star.processes import free_port
@@ -448,10 +449,7 @@ class Honest(threading.Thread):
 
 def depth_of(parents: list[int]) -> int:
     """The levels of a draft, from its nodes' parents (-1: the root)."""
-    levels: list[int] = []
-    for parent in parents:
-        levels.append(1 + (levels[parent] if parent >= 0 else 0))
-    return max(levels, default=0)
+    return int(depths(torch.tensor(parents, dtype=torch.long)).max()) if parents else 0
 
 
 def replay_locally(drafter: Drafter, draft: DraftConfig, log: list[Exchange]) -> int:

@@ -109,7 +109,7 @@ class Situation:
     def followed(self, k: int, rates=None) -> float:
         """The chance that a draft asked now is still one of the stream once it has committed k tokens more
         (a draft k tokens late is used only then): its first k levels drafted, and each what it committed."""
-        go, on = self.means[1:]
+        on = self.means[2]
         acc = rates or self.means[0]
         run = 1.0
         for j in range(k):

@@ -412,11 +412,15 @@ class DraftServer:
     def _cut(self, mine: set[int]) -> bool:
         """Whether a batch of the sessions `mine` ends at the level it has reached (each draft as deep as it
         got): a draft request of another session, from its own connection, came meanwhile, or the server
-        stops (nothing else: noise, hellos, others' tags and a batch's own next requests cut no draft). A request that came during another stream's draft ten levels
-        deep waited for all ten: with two targets on one server, one drafted at 1.98x while the other's
-        drafts, waited behind it, missed their deadlines, and it decoded alone (0.995x)."""
+        stops (nothing else: noise, hellos, others' tags and a batch's own next requests cut no draft). A
+        request that came during another stream's draft ten levels deep waited for all ten: with two
+        targets on one server, one drafted at 1.98x while the other's drafts, waited behind it, missed
+        their deadlines, and it decoded alone (0.995x). Asked before every level: nothing is copied while
+        nothing came."""
         if self.stopping.is_set():
             return True
+        if self.q_in.empty():
+            return False
         with self.q_in.mutex:
             came = list(self.q_in.queue)
         return any(isinstance(r.msg, P.DraftRequest) and r.msg.tag not in mine

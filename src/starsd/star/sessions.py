@@ -152,9 +152,9 @@ class Sessions:
 
     def owned(self, peer: bytes, user: str, tag: int) -> Session:
         """The session `tag`, if this connection (and this authenticated key) owns it. Raises Refused."""
-        s = self._by_tag.get(tag)
-        if s is None or s.peer != peer or s.user != user:
+        if not self.holds(peer, user, tag):
             raise Refused("unknown_session", f"no session {tag:x} on this connection; say hello first")
+        s = self._by_tag[tag]
         s.last_seen = time.monotonic()
         return s
 
