@@ -9,6 +9,7 @@ import torch
 from starsd.config import DraftConfig, SamplingConfig, ServerConfig
 from starsd.star import protocol as P
 from starsd.star.client import DraftClient, DraftServerError
+from starsd.star.connection import Connections
 from starsd.star.remote_drafter import RemoteDrafter
 from starsd.star.processes import free_port
 from starsd.star.server import DraftServer, _to_ingest
@@ -543,9 +544,14 @@ def test_a_shallow_draft_is_answered_before_a_deep_one_drafted_beside_it(make_se
     as soon as its level is drafted (its service ends there), not after the other's ten. With one
     reply a batch, a target asking a level waited for a neighbour's ten (in a run of bench elastic's
     two targets, one drafted at 1.98x while the other's looks missed their deadlines behind it and it
-    decoded alone, 1.0x)."""
+    decoded alone, 1.0x). Both sessions share one connection, as an engine's rows do: two connections'
+    requests may reach the server in either order, and a deep draft that began first is cut at its
+    first level when the shallow request comes (test_a_request_that_comes_during_a_deep_draft_...)."""
     server, address = make_server(predraft=False)
-    shallow, deep = client(address), client(address)
+    shared = Connections(heartbeat_s=0)
+    shallow, deep = (DraftClient(address, FP, name, timeout_s=10, heartbeat_s=0, connections=shared)
+                     for name in ("shallow", "deep"))
+    shallow.hello(), deep.hello()
     ten = (DraftConfig(depth=10, min_path_prob=0.0, adaptive=False), GREEDY)
     batched = 0
     for r in range(6):
