@@ -139,3 +139,39 @@ def test_a_draft_server_answering_from_a_recording_serves_the_real_drafters_step
         thread.join(timeout=5)
     assert remote.token_ids == local.token_ids == out
     assert remote.num_steps == local.num_steps < len(out) and emulated.misses == warm_up
+
+
+def test_an_emulated_server_pre_drafts_a_session_that_took_a_shared_prefix(tiny_target, tiny_drafters, tmp_path,
+                                                                        caplog):
+    """Two streams whose prompts share 96 tokens: the second's session starts from the first's draft
+    KV columns (prefix sharing, on by default), and the server pre-drafts both idle sessions' next
+    steps, as the real drafter's server does. The emulated sequences' KV is the real one's size: a
+    64-column one took the shared columns past its end, and every pre-draft of that session failed."""
+    real = tiny_drafters["good"]
+    long = [(7 * i + 3) % real.model.config.vocab_size for i in range(100)]
+    cfg = DraftConfig(depth=4, min_path_prob=0.0, adaptive=False)
+    out = target_only(tiny_target, long, 6, GREEDY).token_ids
+    record(real, [(long, out)], cfg, "test").save(tmp_path / "drafts.json")
+    emulated = RecordedDrafter(real.model, dataclasses.replace(Recording.load(tmp_path / "drafts.json"),
+                                                               cost=Cost(1, 0, 1)))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = DraftServer(emulated, FP, 128, ServerConfig(bind=address, predraft_cohosted=True))
+    thread = server.start()
+    clients = [DraftClient(address, FP, f"t{i}", timeout_s=10, heartbeat_s=0) for i in range(2)]
+    want = draft(real, long, cfg)[0]
+    try:
+        for c in clients:
+            c.hello()
+            assert c.draft(long, 5, cfg, GREEDY)[1][0].tolist() == want
+        deadline = time.monotonic() + 5
+        while server.stats.snapshot(2)["predraft"]["outcomes"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = server.stats.snapshot(2)
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+        thread.join(timeout=5)
+    assert stats["prefix"]["hits"] == 1 and stats["prefix"]["tokens"] == 96
+    assert stats["predraft"]["outcomes"] >= 2
+    assert "pre-draft" not in caplog.text

@@ -188,7 +188,12 @@ class RecordedDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
               max_depth: int = 0) -> DraftSequence:
-        return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, 64))
+        """A sequence whose KV is allocated as the real drafter's (Drafter.start) and grows as its does
+        (`_propose_batch`), unwritten: the server budgets, evicts, shares prefixes into and clones
+        it for pre-drafts as it would the real one's. A 64-column KV whatever the prompt took a shared
+        prefix's columns past its end, and every pre-draft of that session failed (bench vllm's
+        star-remote: 31 failures in one run)."""
+        return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, len(prompt_ids) + 64))
 
     def _propose_batch(self, jobs: list[DraftJob], stop, done=None) -> list[DraftTree]:
         ingested = 0
@@ -202,6 +207,8 @@ class RecordedDrafter(Drafter):
             ingested += len(seq.tokens) if not seq.cached else min(1, len(job.new_tokens))
             seq.cached = len(seq.tokens)
             depth = max(1, min(job.cfg.depth, job.max_depth))
+            seq.kv.reserve(seq.cached + depth)  # the committed tokens' columns and the draft's, as the real
+            seq.kv.cut(seq.cached)  # drafter's (its first chain's nodes)
             got = None
             rec = self.recording
             if not job.cfg.sample and job.cfg.top_k == 1 and depth <= rec.depth + job.given:
