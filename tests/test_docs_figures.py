@@ -113,6 +113,8 @@ def first_screen_figures() -> dict[str, str]:
     amx = figure("demo-xeon-amx.json")
     split = figure("vllm-split.json")["figures"]
     two = figure("vllm-split-x2.json")["figures"]
+    split_epyc = figure("vllm-split-epyc.json")["figures"]
+    two_epyc = figure("vllm-split-x2-epyc.json")["figures"]
     serve = [x for f in ("vllm-serve-bf16.json", "vllm-serve-fp32.json")
              for per in figure(f)["figures"]["star"].values() for x in per["vs_alone"]]
     return {
@@ -123,6 +125,8 @@ def first_screen_figures() -> dict[str, str]:
                        f"{sum(r['drafts'] for r in amx['requests'])} of {sum(r['target_steps'] for r in amx['requests'])}",
         "one instance": f"{split['star-real@0']['tokens_per_s'] / split['vllm-draft-4@0']['tokens_per_s']:.2f}x",
         "two instances": f"{two['star-real-x2@0']['tokens_per_s'] / two['vllm-draft-4-x2@0']['tokens_per_s']:.2f}x",
+        "one instance, EPYC": f"{split_epyc['star-real@0']['tokens_per_s'] / split_epyc['vllm-draft-4@0']['tokens_per_s']:.2f}x",
+        "two instances, EPYC": f"{two_epyc['star-real-x2@0']['tokens_per_s'] / two_epyc['vllm-draft-4-x2@0']['tokens_per_s']:.2f}x",
         "vllm serve": f"{min(serve):.2f}-{max(serve):.2f}x of `vllm serve` alone in {len(serve) // 2} runs of 1 and 3",
     }
 
