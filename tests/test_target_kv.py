@@ -196,3 +196,19 @@ def test_prefill_memory_does_not_grow_as_m_squared():
     prompt = torch.randint(1, 128, (m + 1,)).tolist()
     peak = peak_allocated(lambda: target.start(prompt))
     assert peak < m * m * 4 / 2, f"prefill of {m} tokens allocated {peak / 2**20:.1f} MiB at its peak"
+
+
+def test_a_gather_past_a_kvs_capacity_is_refused(tiny_target):
+    """Copying more columns than a KV holds raises, where a slice would copy fewer without a word."""
+    from starsd.models.kv import KV
+
+    model = tiny_target.model
+    small, big = KV.allocate(model, 1, 64), KV.allocate(model, 1, 160)
+    big.cut(100)
+    with pytest.raises(RuntimeError, match="96 columns into 64"):
+        small.gather([big], [96])
+    with pytest.raises(RuntimeError, match="into 160"):
+        big.gather([small], [96])
+    room = KV.allocate(model, 1, 164)
+    room.gather([big], [96])
+    assert room.length == 96
