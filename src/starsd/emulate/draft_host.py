@@ -30,8 +30,7 @@ import torch
 
 from starsd.config import DraftConfig, SamplingConfig
 from starsd.errors import SettingError
-from starsd.models.drafter import DraftJob, Drafter, DraftSequence, chain_levels
-from starsd.models.kv import KV
+from starsd.models.drafter import DraftJob, Drafter, chain_levels
 from starsd.spec_decode.tree import DraftTree
 
 
@@ -178,22 +177,17 @@ def batch_scale(drafter: Drafter, prompt: list[int], cfg: DraftConfig, sizes: in
 
 class RecordedDrafter(Drafter):
     """The Drafter interface, answered from a Recording after its cost in time: no draft compute.
-    `model` is the real draft model, for what the server sizes by it (its KV per token)."""
+    `model` is the real draft model, for what the server sizes by it (its KV per token). Its sequences
+    start as the real drafter's (Drafter.start) and their KV grows as its does, unwritten: the server
+    budgets, evicts, shares prefixes into and clones them for pre-drafts as it would the real ones. A
+    64-column KV whatever the prompt took a shared prefix's columns past its end, and every pre-draft
+    of that session failed (bench vllm's star-remote: 31 failures in one run)."""
 
     def __init__(self, model: torch.nn.Module, recording: Recording):
         super().__init__(model)
         self.recording = recording
         self.misses = 0
         self.drafts = 0
-
-    def start(self, prompt_ids: list[int], cfg: DraftConfig | None = None, sampling: SamplingConfig | None = None,
-              max_depth: int = 0) -> DraftSequence:
-        """A sequence whose KV is allocated as the real drafter's (Drafter.start) and grows as its does
-        (`_propose_batch`), unwritten: the server budgets, evicts, shares prefixes into and clones
-        it for pre-drafts as it would the real one's. A 64-column KV whatever the prompt took a shared
-        prefix's columns past its end, and every pre-draft of that session failed (bench vllm's
-        star-remote: 31 failures in one run)."""
-        return DraftSequence(list(prompt_ids), KV.allocate(self.model, 1, len(prompt_ids) + 64))
 
     def _propose_batch(self, jobs: list[DraftJob], stop, done=None) -> list[DraftTree]:
         ingested = 0

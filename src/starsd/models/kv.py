@@ -107,9 +107,8 @@ class KV(Cache):
     def gather(self, sources: list[KV], lengths: list[int]) -> None:
         """Row r := the first lengths[r] columns of sources[r] (a one-row KV); length := max(lengths).
         Raises where a length passes this KV's capacity or its source's: a slice would copy fewer
-        columns without a word and the length would claim them (the emulated drafter's 64-column KV
-        took a 96-token shared prefix so, and every later clone of it failed)."""
-        if lengths and max(lengths) > self.capacity or any(n > src.capacity for src, n in zip(sources, lengths)):
+        columns without a word and the length would claim them."""
+        if any(n > min(self.capacity, src.capacity) for src, n in zip(sources, lengths)):
             raise RuntimeError(f"KV gather of {max(lengths)} columns into {self.capacity} allocated "
                                f"(sources {[src.capacity for src in sources]})")
         for i, slab in enumerate(self.layers):
