@@ -23,3 +23,36 @@ def test_each_ratio_is_taken_against_alone_in_the_same_run():
 
 def test_core_lists_read_as_taskset_writes_them():
     assert cores_of("1") == {1} and cores_of("0,2-3") == {0, 2, 3}
+
+
+def test_a_levels_time_is_read_by_batch_size_between_two_readings_of_the_servers_counters():
+    from starsd.bench.vllm import level_ms
+    from starsd.star.stats import ServerStats
+
+    stats = ServerStats()
+    stats.level(50.0, 2, 1)  # the warm-up's, before the run
+    before = stats.snapshot(0)
+    stats.level(90.0, 2, 1)
+    stats.level(120.0, 3, 2)
+    stats.level(180.0, 3, 2)
+    stats.level(0.0, 0, 3)  # a batch that drafted no level is not counted
+    assert level_ms(before, stats.snapshot(0)) == {"1": {"batches": 1, "levels": 2, "ms_per_level": 45.0},
+                                                   "2": {"batches": 2, "levels": 6, "ms_per_level": 50.0}}
+
+
+def test_a_repeated_set_gives_its_median_pass_and_says_whether_every_pass_gave_the_same_tokens():
+    from starsd.bench.vllm_serve import repeated
+
+    class Passes:  # what VllmServe.at_once returns, pass after pass
+        def __init__(self, speeds, ids):
+            self.left = [request_set(s, i) for s, i in zip(speeds, ids)]
+
+        def at_once(self, prompts, max_tokens):
+            return self.left.pop(0)
+
+    got = repeated(Passes([5.0, 3.0, 4.0], [[[1]], [[1]], [[1]]]), [[7]], 4, 3)
+    assert got["tokens_per_s"] == 4.0 and got["passes_tokens_per_s"] == [5.0, 3.0, 4.0] and got["passes_equal"]
+    assert not repeated(Passes([5.0, 3.0], [[[1]], [[2]]]), [[7]], 4, 2)["passes_equal"]
+    runs = [{"alone": {"sets": {"1": request_set(4.0, [[1]])}},
+             "star": {"sets": {"1": {**request_set(4.0, [[1]]), "passes_equal": False}}}}]
+    assert figures(runs, ["alone", "star"], [1])["star"]["1"]["equal"] is False

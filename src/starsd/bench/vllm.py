@@ -131,6 +131,7 @@ class Bench:
             r["server_predraft"] = predraft  # pre-drafted outcomes, and requests answered from one or not
             r["server_batches"] = {k: v - before.get("batch_sizes", {}).get(k, 0)
                                    for k, v in after.get("batch_sizes", {}).items()}  # batches by size
+            r["server_level_ms"] = level_ms(before, after)
             Path(f).unlink(missing_ok=True)
         os.rmdir(folder)
         return results
@@ -373,6 +374,19 @@ def checks(runs: dict) -> dict:
     return found
 
 
+def level_ms(before: dict, after: dict) -> dict:
+    """A drafted level's time over a run, by batch size: the server's step batches (no prompt ingested)
+    between two readings of its counters, each batch's time over its deepest chain's levels."""
+    out = {}
+    for size, now in after.get("step_batches", {}).items():
+        was = before.get("step_batches", {}).get(size, {})
+        levels = now["levels"] - was.get("levels", 0)
+        if levels:
+            out[size] = {"batches": now["batches"] - was.get("batches", 0), "levels": levels,
+                         "ms_per_level": round((now["ms"] - was.get("ms", 0.0)) / levels, 1)}
+    return out
+
+
 def figures(runs: dict) -> dict:
     out = {}
     for key, results in runs.items():
@@ -394,6 +408,7 @@ def figures(runs: dict) -> dict:
             f["server_utilisation"] = None if util is None else round(util, 2)
             f["server_predraft"] = results[0].get("server_predraft")
             f["server_batches"] = results[0].get("server_batches")
+            f["server_level_ms"] = results[0].get("server_level_ms")
         out[key] = f
     return out
 

@@ -2,7 +2,8 @@
 from a draft server started with its defaults, the requests sent by a client and timed there.
 
 Each run starts each mode afresh, in turn (never two at once), and sends the same requests: one
-request, then `--requests`' other counts at once, greedy, `--max-tokens` each (EOS ignored).
+request, then `--requests`' other counts at once, greedy, `--max-tokens` each (EOS ignored), each set
+`--repeats` times in a row, its figure the median pass.
 Modes:
 - `alone`: `vllm serve MODEL`, in the environment the README gives vLLM's CPU build;
 - `star`: `starsd draft-server` with its defaults on this host, and `vllm serve` with the plug-in
@@ -39,6 +40,8 @@ PLUGIN = {"method": "custom_class", "model": "starsd.vllm.Proposer", "num_specul
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="alone,star", help=f"comma-separated, of {', '.join(MODES)} (vllm-draft-K: any K)")
     p.add_argument("--requests", default="1,3", help="comma-separated: how many requests are sent at once, in turn")
+    p.add_argument("--repeats", type=int, default=3, help="times each request set is sent in a row to the same "
+                   "servers; a set's tokens/s is their median (one slow pass of a noisy host weighs on no ratio)")
     p.add_argument("--runs", type=int, default=3, help="runs; each starts every mode afresh, in turn (every other "
                    "run in the reverse order, so that a drift of the host's speed weighs on no mode alone)")
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
@@ -148,7 +151,7 @@ def run_mode(mode: str, args, pair: C.PairConfig, python: str, target: str, draf
             sets = {}
             for n in counts:
                 before = counters(stats)
-                sets[str(n)] = server.at_once(prompts[:n], args.max_tokens)
+                sets[str(n)] = repeated(server, prompts[:n], args.max_tokens, args.repeats)
                 after = counters(stats)
                 if after:  # the plug-in's counters over this set alone
                     sets[str(n)]["plugin"] = {k: v - before.get(k, 0) for k, v in after.items()
@@ -163,6 +166,15 @@ def run_mode(mode: str, args, pair: C.PairConfig, python: str, target: str, draf
         result["plugin"] = counters(stats)
         os.unlink(stats)
     return result
+
+
+def repeated(server: VllmServe, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
+    """`prompts` sent at once, `repeats` times in a row: the median pass's figures, every pass's tokens/s, and
+    whether every pass gave the same tokens."""
+    passes = [server.at_once(prompts, max_tokens) for _ in range(max(1, repeats))]
+    median = sorted(passes, key=lambda p: p["tokens_per_s"])[len(passes) // 2]
+    return {**median, "passes_tokens_per_s": [p["tokens_per_s"] for p in passes],
+            "passes_equal": all(p["token_ids"] == passes[0]["token_ids"] for p in passes)}
 
 
 def counters(stats: str | None) -> dict:
@@ -224,7 +236,7 @@ def figures(runs: list[dict], modes: list[str], counts: list[int]) -> dict:
                 f["vs_alone"] = [round(run[mode]["sets"][n]["tokens_per_s"] / run["alone"]["sets"][n]["tokens_per_s"],
                                        3) for run in runs]
                 f["equal"] = all(run[mode]["sets"][n]["token_ids"] == run["alone"]["sets"][n]["token_ids"]
-                                 for run in runs)
+                                 and run[mode]["sets"][n].get("passes_equal", True) for run in runs)
             plugin = [run[mode]["sets"][n].get("plugin") for run in runs]
             if all(plugin):
                 f["drafted_tokens"] = [p["proposed"] for p in plugin]

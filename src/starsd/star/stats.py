@@ -56,6 +56,8 @@ class ServerStats:
         self.work: collections.Counter = collections.Counter()
         self.timeline: collections.deque = collections.deque(maxlen=20000)  # (start, end: unix s, batch size)
         self.levels: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step batches
+        self.stepped: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0])  # batch size ->
+        # [step batches, their levels, their ms] since the start: what a level costs by batch size, over a run
         self.paces: collections.deque = collections.deque(maxlen=33)  # ms per drafted level of recent step
         # batches, the batch's own time (not shared out among its sessions): what each of its requests waited a level
         self.waits: collections.deque = collections.deque(maxlen=33)  # (monotonic s, ms from arrival to the start
@@ -103,6 +105,10 @@ class ServerStats:
         """A batch of `size` streams' steps (no prompt ingested) drafted `levels` levels in `ms`."""
         if levels > 0:
             with self.lock:
+                totals = self.stepped[size]
+                totals[0] += 1
+                totals[1] += levels
+                totals[2] += ms
                 self.levels.append(ms / levels / size)
                 self.paces.append(ms / levels)
 
@@ -180,6 +186,8 @@ class ServerStats:
                 "sessions_s": self.sessions_s + size * running,
                 "requests": self.requests, "replies": self.replies, "errors": dict(self.errors),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "step_batches": {str(k): {"batches": v[0], "levels": v[1], "ms": v[2]}
+                                 for k, v in sorted(self.stepped.items())},
                 "queue_depth": queue_depth, "sessions_open": sessions_open, "sessions_opened": self.sessions_opened,
                 "sessions_freed": self.sessions_freed, "sessions_evicted": self.sessions_evicted,
                 "sessions_restored": self.sessions_restored, "kv_bytes": self.kv_bytes,
