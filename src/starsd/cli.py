@@ -444,6 +444,18 @@ def args_simulate(p: argparse.ArgumentParser) -> None:
     simulate.add_args(p)
 
 
+def args_fleet(p: argparse.ArgumentParser) -> None:
+    from starsd.theory import fleet
+
+    fleet.add_args(p)
+
+
+def cmd_fleet(args) -> int:
+    from starsd.theory import fleet
+
+    return fleet.main(args)
+
+
 def args_keys(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="where to write the key files")
     p.add_argument("names", nargs="+", help="one key pair per name: NAME.key (public) and NAME.key_secret")
@@ -499,6 +511,8 @@ COMMANDS = {  # name: (help, flags, run)
     "model": ("the analytical model's prediction for a measured profile", args_model, cmd_model),
     "simulate": ("discrete-event simulation of K draft servers and N targets on a profile", args_simulate,
                  cmd_simulate),
+    "fleet": ("a fleet of vLLM instances on GPUs on paper: the draft servers they need and the tokens/s each gets, "
+              "the simulator on published GPU costs", args_fleet, cmd_fleet),
     "train-eagle": ("train an EAGLE-1 head for a target on local Python source, resumably", args_train_eagle,
                     cmd_train_eagle),
 }
