@@ -35,6 +35,11 @@ from starsd.theory.sysmodel import Profile, interpolate
 GIB = 2 ** 30
 
 
+def _by_int(table: dict) -> dict[int, float]:
+    """A JSON table keyed by numbers as strings, keyed by int."""
+    return {int(k): float(v) for k, v in table.items()}
+
+
 @dataclass(frozen=True)
 class Costs:
     """One target's and the draft's costs on a GPU (times in ms), and the acceptance by depth."""
@@ -67,13 +72,12 @@ class Costs:
         try:
             d = json.loads(Path(path).read_text())
             t, draft = d["targets"][target], d["draft"]
-            table = lambda x: {int(k): float(v) for k, v in x.items()}  # noqa: E731
-            return cls(target=t["name"], gpus=int(t["gpus"]), layers=int(t["layers"]), step_ms=table(t["step_ms"]),
-                       linear_ms_per_layer=table(t["linear_ms_per_layer"]), level_ms=float(draft["level_ms"]["1"]),
-                       batch_growth=table(draft["batch_growth"]),
+            return cls(target=t["name"], gpus=int(t["gpus"]), layers=int(t["layers"]), step_ms=_by_int(t["step_ms"]),
+                       linear_ms_per_layer=_by_int(t["linear_ms_per_layer"]), level_ms=float(draft["level_ms"]["1"]),
+                       batch_growth=_by_int(draft["batch_growth"]),
                        prefill_ms_per_token=float(draft["prefill_ms_per_token"]),
                        kv_bytes_per_token=int(draft["kv_bytes_per_token"]),
-                       accepted=table(d["acceptance"]["accepted_per_step"]))
+                       accepted=_by_int(d["acceptance"]["accepted_per_step"]))
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise SettingError(f"cannot read target {target!r}'s costs from {path}: {e!r}") from None
 
@@ -119,7 +123,10 @@ def alone_tokens_per_s(c: Costs, s: Scenario) -> float:
 
 def best_depth(c: Costs, s: Scenario, seed: int = 0) -> int:
     """The depth at which one instance with a draft server of its own makes the most tokens/s."""
-    return max(sorted(c.accepted), key=lambda d: sim.simulate(profile(c, s, d), 1, 1, seed=seed).per_target_tokens_per_s)
+    def alone_with_its_server(depth: int) -> float:
+        return sim.simulate(profile(c, s, depth), 1, 1, seed=seed).per_target_tokens_per_s
+
+    return max(sorted(c.accepted), key=alone_with_its_server)
 
 
 def kv_gib(c: Costs, s: Scenario, instances: int) -> float:
