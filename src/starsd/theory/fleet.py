@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from starsd.errors import SettingError
@@ -169,16 +169,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise SettingError(f"{flag} takes comma-separated integers >= 1 (got {text!r})")
-    return values
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", default="docs/results/inputs/fleet-a100.json", help="the GPU costs file, each figure "
                    "with its source")
@@ -199,25 +189,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    instances = sim.int_list(args.instances, "--instances")
+    shared = Scenario(rows=args.rows, prompt=args.prompt, shared=args.shared, output=args.output,
+                      network_ms=args.network_ms, max_rows=args.max_rows)
     out = []
     for target in args.targets.split(","):
         c = Costs.load(args.costs, target)
-        for shared in (0, args.shared):
-            s = Scenario(rows=args.rows, prompt=args.prompt, shared=shared, output=args.output,
-                         network_ms=args.network_ms, max_rows=args.max_rows)
+        for s in (replace(shared, shared=0), shared):
             depth = best_depth(c, s, args.seed)
-            out += [{"target": target, "shared": shared, **plan(c, s, m, depth, args.quality, args.seed)}
-                    for m in _ints(args.instances, "--instances")]
+            out += [{"target": target, "shared": s.shared, **plan(c, s, m, depth, args.quality, args.seed)}
+                    for m in instances]
     print(f"draft servers (K) for M vLLM instances of {args.rows} requests each ({args.prompt}-token prompts, "
           f"{args.output} tokens out), each instance kept at {args.quality:.0%} of its tokens/s with a server of "
           f"its own; d: the depth that serves one instance best; 'vs alone': against the instance decoding alone; "
           f"'a GPU': tokens/s per GPU (the instances' and the draft servers', one each) against the instances alone")
     print(table(out))
     if args.json_out:
-        scenario = asdict(Scenario(rows=args.rows, prompt=args.prompt, shared=args.shared, output=args.output,
-                                   network_ms=args.network_ms, max_rows=args.max_rows))
         write_json(args.json_out, {"benchmark": "fleet", "what_is_real": "nothing run: the simulator on published "
                                    "GPU costs (the costs file names each source) and acceptance from CPU runs",
                                    "costs_file": args.costs, "costs": json.loads(Path(args.costs).read_text()),
-                                   "scenario": scenario, "quality": args.quality, "rows": out})
+                                   "scenario": asdict(shared), "quality": args.quality, "rows": out})
     return 0

@@ -268,7 +268,8 @@ def compare(p: Profile, points: list[dict], seed: int = 0) -> list[dict]:
 # `starsd simulate`
 # ---------------------------------------------------------------------------------------------
 
-def _int_list(text: str, flag: str) -> list[int]:
+def int_list(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated integers, each >= 1."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -311,7 +312,7 @@ def table(p: Profile, results: list[SimResult]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     p = Profile.load(args.profile)
-    ns, ks = _int_list(args.targets, "--targets"), _int_list(args.servers, "--servers")
+    ns, ks = int_list(args.targets, "--targets"), int_list(args.servers, "--servers")
     if args.for_targets is not None and args.for_targets < 1:
         raise SettingError(f"--for-targets must be >= 1 (got {args.for_targets})")
     name = "one-at-a-time" if args.serial else "batched"
