@@ -462,3 +462,31 @@ def test_a_server_too_far_behind_is_not_sent_each_new_prompt(dirs):
         rig.close()
     assert gen.token_ids == target_only(rig.target, prompt, 20, GREEDY).token_ids
     assert asked == 0, f"{asked} requests for 20 tokens no draft could pay for"
+
+
+@pytest.mark.parametrize("rig", [300], indirect=True)
+def test_a_draft_asked_ahead_does_not_wait_for_a_new_sessions_welcome(rig):
+    """Seen on an AMX Xeon (bench elastic): when a second server came, 16 sessions moved to it, a hello
+    each, and the step of each that asked a draft ahead waited about 800 ms for the busy new server's
+    Welcome. A step that asks ahead goes on at once, and a draft waited for waits for the Welcome no
+    longer than its deadline; neither sends a request while no session holds it (the next is a reset
+    with the whole prefix, once the Welcome has come), and then the stream drafts. Here every message
+    to the server takes 300 ms, so a Welcome comes a second or more after its hello (a new
+    connection's handshake too)."""
+    client = DraftClient(rig.client.address, rig.client.fingerprint, "late")
+    try:
+        drafter = RemoteDrafter(client, cohosted=False)
+        cfg = DraftConfig(depth=4)
+        seq = drafter.start([5, 17, 33, 2])
+        t0 = time.monotonic()
+        assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=0)) == 0
+        assert time.monotonic() - t0 < 0.2 and drafter.down and not drafter.holds(seq)  # its hello is out
+        t0 = time.monotonic()
+        assert len(drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=150)) == 0
+        assert time.monotonic() - t0 < 0.4 and drafter.down and not drafter.holds(seq)
+        tree, deadline = drafter.propose(seq, [7], cfg, GREEDY, max_depth=4, deadline_ms=5000), time.monotonic() + 15
+        while not len(tree) and time.monotonic() < deadline:  # a connection's handshake through the delays too
+            tree = drafter.propose(seq, [], cfg, GREEDY, max_depth=4, deadline_ms=5000)
+        assert len(tree) and not drafter.down and drafter.holds(seq)
+    finally:
+        client.close()

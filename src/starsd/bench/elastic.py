@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import json
 import threading
 import time
 import urllib.request
@@ -192,7 +194,16 @@ def ramp_run(args, steps: Steps, inputs: harness.Inputs, star: RayStar, bounds: 
         controller.stop()
     retired = sorted({a for x in listed for a in x["servers"]} - set(star.draft_servers()))
     answering = [a for a in retired if query_stats(a, timeout_s=2.0, keys=star.keys.draft_stats) is not None]
-    return figures(args, ramp_spec, starts, go + total_s, rows, alone, controller, listed, scraped, answering)
+    result = figures(args, ramp_spec, starts, go + total_s, rows, alone, controller, listed, scraped, answering)
+    save_rows(str(args.json_out).rsplit(".", 1)[0] + ".rows.gz", starts, rows)
+    return result
+
+
+def save_rows(path: str, starts: list[float], rows: list[dict]) -> None:
+    """Each answer's rows (every step's depth asked and verified, its draft timing) and the phases' starts,
+    gzipped beside the JSON: what `drafting` counts, kept to be read again."""
+    with gzip.open(path, "wt") as f:
+        json.dump({"starts": starts, "rows": rows}, f)
 
 
 def figures(args, ramp_spec, starts, end, rows, alone, controller: Recorded, listed, scraped,

@@ -161,7 +161,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     width = getattr(target, "width", None)
     ask_ahead = policy is not None and drafter.asynchronous
     inline = policy is not None and not drafter.asynchronous
-    holds = False  # the drafter holds the stream: a draft of it was asked
+    holds = False  # the drafter holds the stream: a draft of it was asked, and went out
     ingests = True  # the stream's next draft is its first: the drafter ingests the prompt with it
     new_tokens: list[int] = []  # committed, not yet given to the drafter
     produced = 0
@@ -185,7 +185,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
     depth = decision.depth
     first = decision.ahead if ask_ahead else depth
     dseq = drafter.start(prompt_ids, shaped(), sampling, first)
-    holds = first > 0
+    holds = first > 0 and drafter.holds(dseq)
     t_prefill = time.perf_counter()
     seq = target.start(prompt_ids) if taps is None else target.start(prompt_ids, taps)
     prefilled = time.time()
@@ -218,7 +218,7 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                                    deadline_ms=deadline_ms,
                                    features=torch.cat(new_features) if new_features else None)
             draft_ms = waited_ms = (time.perf_counter() - t_draft) * 1e3
-            holds = True
+            holds = drafter.holds(dseq)
             share = (tree.depth(), dseq.share_ms) if policy and drafter.cohosted and len(tree) else None
             new_tokens = []
             new_features = []

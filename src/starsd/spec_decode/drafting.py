@@ -42,6 +42,10 @@ class DraftSource(Protocol):
         """On a step that asks no draft: whatever keeps the drafter's side of the stream alive (`unsent`:
         tokens committed that seq does not hold yet)."""
 
+    def holds(self, seq: Any) -> bool:
+        """Whether the drafting side holds the stream, or will once its request in flight is read (a draft
+        asked while it had no session went nowhere)."""
+
 
 class LocalDrafting:
     """DraftSource's answers for a drafter in this process: its draft is computed when asked, on the
@@ -60,3 +64,6 @@ class LocalDrafting:
 
     def keep_up(self, seq: Any, unsent: int = 0) -> None:
         pass
+
+    def holds(self, seq: Any) -> bool:
+        return True

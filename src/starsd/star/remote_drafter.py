@@ -278,7 +278,9 @@ class RemoteDrafter:
         t0 = time.perf_counter()
         earlier = seq.pending_since if seq.pending else None  # a request in flight before this call
         until = None if deadline_ms is None else time.monotonic() + deadline_ms / 1e3
-        if not self._session(seq, wait=True) or time.monotonic() < seq.alone_until:
+        # a Welcome is waited for only by a draft waited for, and no longer than its deadline: a step that asks
+        # ahead goes on (a rebalance's sessions each waited about 800 ms for a busy new server's Welcome)
+        if not self._session(seq, wait=deadline_ms != 0, until=until) or time.monotonic() < seq.alone_until:
             self.timing.add((time.perf_counter() - t0) * 1e3)
             return DraftTree.empty()
         for attempt in range(2):
@@ -338,11 +340,17 @@ class RemoteDrafter:
             if seq.arrived is not None:
                 seq.lag = len(seq.tokens) + unsent - seq.pending
 
-    def _session(self, seq: RemoteSequence, wait: bool) -> bool:
+    def holds(self, seq: RemoteSequence) -> bool:
+        """Whether the server holds the stream, or will once the request in flight is read. A request asked
+        while the session was down (a move's hello not yet answered) went nowhere, and the next one is a
+        reset with the whole prefix."""
+        return bool(seq.sent or seq.pending)
+
+    def _session(self, seq: RemoteSequence, wait: bool, until: float | None = None) -> bool:
         """Whether a session is open for a request now. A session the heartbeat's replies say is gone
         (the server restarted, or freed it) is dropped, and a new one asked for at once; so is one
         whose server moved to another address (DraftClient.readdress), there; while down, _back()
-        (waiting for the Welcome only with `wait`)."""
+        (waiting for the Welcome only with `wait`, and not past `until`, monotonic s)."""
         if (to := self.client.moved_to()) is not None:
             self._follow(seq, to)
         if self.client.retired():  # the star no longer lists its server (star/elastic.py): it drains
@@ -356,7 +364,7 @@ class RemoteDrafter:
             self._lost(seq, DraftServerError("unreachable", f"{self.client.address} answers no heartbeat"))
         if not self.down and (to := self.client.better()):
             self._rebalance(seq, to)
-        return not self.down or self._back(seq, wait)
+        return not self.down or self._back(seq, wait, until)
 
     def _lost(self, seq: RemoteSequence, why: DraftServerError) -> None:
         """The session is gone: its server is silent or broken (a new hello waits for the backoff), or
@@ -395,7 +403,7 @@ class RemoteDrafter:
         self._tried = 0
         self._move(why, to)
 
-    def _back(self, seq: RemoteSequence, wait: bool = True) -> bool:
+    def _back(self, seq: RemoteSequence, wait: bool = True, until: float | None = None) -> bool:
         """While down: once the server answers pings again and the backoff has passed, send a Hello on
         a fresh socket and (with `wait`) wait up to dead_after_s for its Welcome; if it has not come,
         look for it at each later step without waiting (a server busy with a long batch answers
@@ -410,6 +418,8 @@ class RemoteDrafter:
         # a server at ease answers within dead_after_s of the hello: with `wait`, wait out what is left
         # of that, to draft this very step
         wait_s = max(0.0, self.client.dead_after_s - (time.monotonic() - self._hello_at)) if wait else 0.0
+        if until is not None:
+            wait_s = min(wait_s, max(0.0, until - time.monotonic()))
         several = len(self.client.addresses) > 1
         # another server may answer sooner; but one that answers pings is alive and only busy (a hello
         # is answered between its batches): leaving it would leave a session behind there

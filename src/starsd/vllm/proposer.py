@@ -299,7 +299,7 @@ class Proposer:
         tree = drafter.propose(seq, new, stream.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0, more=more)
         if drafter.misconfigured:
             raise drafter.misconfigured
-        stream.holds = True
+        stream.holds = drafter.holds(seq)
         if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
             return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
         if not depth:
