@@ -451,7 +451,7 @@ def test_a_server_too_far_behind_is_not_sent_each_new_prompt(dirs):
         target = Slowed(rig.target, 50)
         speculative(target, drafter, [5, 17, 33, 2], 36, DraftConfig(depth=4), GREEDY, policy=policy)
         assert drafter.lateness >= 3, "the drafts were not seen to come late"  # 1 when on time
-        assert policy.paused > 20, "no wait for a draft paused the target"
+        assert drafter.timing.late <= 2, "the target kept waiting for drafts that missed"
         time.sleep(1.1)  # a request still in flight reaches the server
         before = query_stats(rig.stars[0].address)["requests"]
         prompt = [9, 8, 7]

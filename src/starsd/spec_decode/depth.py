@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -33,6 +34,11 @@ MAX_STOP = 0.95  # the highest chain stopping threshold stop() gives: a chain al
 # 1,932 steps of a run, several tokens late by the servers' own figures, with 14 taken; the servers, busy 96% of the
 # time, answered late what was waited for
 FOLLOWED = 0.5
+# A draft waited for may miss its deadline: the step waits it out and verifies one token. The chance of that is
+# the misses among the stream's drafts waited for over its last MISS_STEPS steps (two hits assumed besides), and
+# rate() weighs it: on an AMD EPYC, 32 replay targets on two servers waited for 1,248 drafts, 20% missed, and
+# the misses' waits (750 ms each beyond the pass) cost more than the hits won (150 ms each)
+MISS_STEPS = 128
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Situation:
     reach: Acceptance  # whether a draft went on past each level where it was asked to
     onward: Acceptance  # the same, of drafts whose levels up to there were all accepted
     prefill_ms: float = 0.0  # the last prompt's prefill
+    miss: float = 0.0  # the chance that a draft waited for misses its deadline (DepthPolicy.miss_chance)
     drawn: tuple[float, ...] | None = None  # one Thompson draw of each position's acceptance (how deep, and
     # whether a draft asked ahead is likely taken: a stream that measured little asks one now and then, and learns)
     paused: bool = False  # the schedule's turn: decode alone, a pause after missed deadlines
@@ -132,7 +139,12 @@ class Situation:
             return 1.0 / max(self.verify_ms(1), 1e-6)
         levels, accepted = self.expect(d, rates)
         wait = self.draft_ms(levels) if self.source.inline else max(self.draft_ms(levels), self.server_wait(levels))
-        return (1.0 + accepted) / max(wait + self.verify_ms(levels + 1) + self.taken(levels), 1e-6)
+        hit = 1.0 - self.miss  # a miss waits out the deadline and verifies one token
+        tokens = hit * (1.0 + accepted) + self.miss
+        ms = hit * (wait + self.verify_ms(levels + 1) + self.taken(levels))
+        if self.miss:
+            ms += self.miss * (self.deadline_ms(d) + self.verify_ms(1))
+        return tokens / max(ms, 1e-6)
 
     def server_wait(self, levels: float) -> float:
         """What a remote server's own word says a draft this deep waits now: its queue and its levels."""
@@ -300,6 +312,7 @@ class DepthPolicy:
     prefill_ms: float = 0.0  # the last prompt's prefill
     moves: int = 0  # the drafter's moves to another server, as of the last one followed
     looking: bool = False  # this step is a look at drafting while decoding alone (its draft waited for)
+    waited: deque = field(default_factory=lambda: deque(maxlen=16))  # (step, missed) of the last drafts waited for
 
     def __post_init__(self):
         self.acceptance = self.acceptance or Acceptance(self.max_depth)
@@ -313,7 +326,13 @@ class DepthPolicy:
 
     def situation(self, limit: int, source: Source = Source(), **turn) -> Situation:
         return Situation(limit, source, self.max_depth, self.verify_ms, self.draft_ms, self.share_ms,
-                         self.acceptance, self.reach, self.onward, self.prefill_ms, **turn)
+                         self.acceptance, self.reach, self.onward, self.prefill_ms, self.miss_chance(), **turn)
+
+    def miss_chance(self) -> float:
+        """The chance that a draft waited for misses its deadline: the misses among those of the last
+        MISS_STEPS steps, over their count plus two."""
+        recent = [missed for step, missed in self.waited if self.steps - step < MISS_STEPS]
+        return sum(recent) / (len(recent) + 2)
 
     def choose(self, limit: int, source: Source = Source(), before_prefill: bool = False) -> Decision:
         """This step's decision, at most `limit` deep; `before_prefill`: a prompt's first step, before its
@@ -374,6 +393,7 @@ class DepthPolicy:
             return False
         self.moves = moves
         self.draft_ms, self.share_ms = server_costs()
+        self.waited.clear()
         self.paused = self.misses = self.late_asks = self.late_probes = 0
         self.server_prior(level_ms)
         return True
@@ -394,6 +414,7 @@ class DepthPolicy:
         if known or self.misses:
             self.paused = self.explore << min(self.misses, 4)
         self.misses += 1
+        self.waited.append((self.steps, True))
 
     def observe(self, depth: int, accepted: int, draft_ms: float | None, width: int, verify_ms: float,
                 share: tuple[int, float] | None = None, asked: int | None = None) -> None:
@@ -415,5 +436,7 @@ class DepthPolicy:
                     # gone) and would keep the stream alone for hundreds of steps, a faster draft at each rarer
                     # look moving a median of slow ones hardly at all. They start afresh from this one
                     self.draft_ms = server_costs()[0]
+                    self.waited.clear()
                 self.draft_ms.add(depth, draft_ms)
+                self.waited.append((self.steps, False))
         self.verify_ms.add(width, verify_ms)
