@@ -3,6 +3,7 @@ star lists (one added: they spread onto it; one retired: they move off it, losin
 controller adding a server under load and retiring it idle, on real draft servers; on a local Ray
 cluster, draft server actors started and stopped, and `starsd bench elastic` end to end."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 import pytest
 
 import tiny
+from starsd.bench.elastic import drafting
 from starsd.config import DraftConfig, ElasticConfig, SamplingConfig, ServerConfig
 from starsd.emulate.replay import LatencyProfile
 from starsd.errors import SettingError
@@ -294,6 +296,9 @@ def test_bench_elastic_adds_a_server_under_load_and_retires_it_when_the_targets_
     assert work["answers"] > 0 and work["steps"] >= work["answers"] and 0 < work["drafted"] <= work["steps"]
     assert result["phases"][1]["servers"]["at_end"] == 1
     assert [x["servers"] for x in result["listed"]][-1] == [result["listed"][0]["servers"][0]]  # the first stays
+    with gzip.open(tmp_path / "elastic.rows.gz", "rt") as f:  # each answer's rows, kept to be read again
+        kept = json.load(f)
+    assert len(kept["starts"]) == 2 and drafting(kept["rows"], kept["starts"][0] + 2, kept["starts"][1]) == work
 
 
 def test_a_wait_figure_of_a_load_that_has_gone_is_forgotten(monkeypatch):

@@ -15,7 +15,7 @@ The ramp, `--phases N:S,...`: N targets decode for S seconds, then the next phas
 - the servers over time, every decision with its time and reason, /metrics at the end, and any
   retired server still answering (its process left running);
 - tokens lost: a replay target stops at the first token that differs from the recording, so a
-  result means none.
+  result means none; each answer's rows (every step's depths, its draft timing) in NAME.rows.gz.
 Figures: docs/scaling.md#capacity-that-follows-load-on-ray.
 """
 
