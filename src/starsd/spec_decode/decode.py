@@ -234,16 +234,19 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                     draft_ms = None  # but its levels tell what one costs a level, until the stream measures it
                     if policy:  # (a fresh policy co-located took drafts as free, and its next draft went 10 deep)
                         policy.server_prior(drafter.level_ms)
-            if waited_for and depth and policy and len(tree) == 0 and waited_ms >= deadline_ms:
+            # a miss is a draft's: not a prompt's ingest, nor a wait for a session's Welcome (nothing went out)
+            if waited_for and depth and policy and len(tree) == 0 and waited_ms >= deadline_ms and not ingests \
+                    and drafter.holds(dseq):
                 policy.missed(depth, waited_ms)
             if not within(tree, width):  # a draft server's bug (or worse) must not reach the target's model
                 tree = DraftTree.empty()
-            ingests = False
+            ingests = not drafter.holds(dseq)  # nothing went out: the next request is the reset
         else:
             tree = DraftTree.empty()
             share = None
             if ask_ahead:
                 drafter.keep_up(dseq, len(new_tokens))  # a remote drafter reads what its server sent meanwhile
+                holds = holds and drafter.holds(dseq)  # (or lost its session, and the next request is a reset)
         t_verify = time.perf_counter()
         logits = target.score(seq, tree) if taps is None else target.score(seq, tree, taps)
         verdict = verify(tree, logits, sampling, verify_gen)

@@ -35,7 +35,7 @@ MAX_STOP = 0.95  # the highest chain stopping threshold stop() gives: a chain al
 # time, answered late what was waited for
 FOLLOWED = 0.5
 # A draft waited for may miss its deadline: the step waits it out and verifies one token. The chance of that is
-# the misses among the stream's drafts waited for over its last MISS_STEPS steps (two hits assumed besides), and
+# the misses among the stream's drafts waited for over its last MISS_STEPS steps not paused (two hits assumed), and
 # rate() weighs it: on an AMD EPYC, 32 replay targets on two servers waited for 1,248 drafts, 20% missed, and
 # the misses' waits (750 ms each beyond the pass) cost more than the hits won (150 ms each)
 MISS_STEPS = 128

@@ -302,7 +302,7 @@ class RemoteDrafter:
                 elif e.code in ("kv_full", "context_full"):
                     seq.sent = 0  # refused with the server's state of it gone: the next request is a reset
                     seq.alone_until = time.monotonic() + (self.BACKOFF_S[0] if e.code == "kv_full" else math.inf)
-                if e.code == "unknown_session" and not attempt and self._back(seq):
+                if e.code == "unknown_session" and not attempt and self._back(seq, deadline_ms != 0, until):
                     continue  # the server dropped the session (restart, timeout): this step's request is a
                     # reset on the new one
                 if e.code in GO_ON_ALONE or e.code in ("context_full", "unknown_session"):

@@ -61,7 +61,6 @@ class Stream:
     cfg: DraftConfig | None = None  # this step's draft: its chain stops where its costs say (spec_decode/depth.py)
     draft_ms: float | None = None  # that wait
     ingests: bool = False  # this step's request carries the whole prefix (a reset): its wait is no draft's cost
-    holds: bool = False  # the server holds its request: a draft of it was asked
     source: Source = field(default_factory=Source)  # where its drafts came from at its last step (its policy's input)
 
 
@@ -232,7 +231,6 @@ class Proposer:
                 stream.asked = 0
                 stream.asked_for = None
                 stream.given = False
-                stream.holds = False
                 stream.undrafted = True
                 self.counters.requests += 1
                 busy.add(id(stream))
@@ -249,9 +247,9 @@ class Proposer:
         name = f"vllm-{len(self.streams)}"
         client = DraftClient(for_target(self.settings.connect, len(self.streams)), self.fingerprint, name,
                              timeout_s=self.settings.timeout_s, keys=self.settings.keys, connections=self.connections)
-        try:  # not waited for here: every new request's Hello of a step goes out, one after another, before
-            # the first draft waits for its Welcome (RemoteDrafter), and the others find theirs come meanwhile.
-            # Each waited for in turn, 16 new requests held a step for 16 of the server's rounds.
+        try:  # not waited for here: every new request's Hello of a step goes out, one after another; a draft
+            # asked ahead does not wait for its Welcome, and one waited for waits for it within its deadline
+            # (RemoteDrafter). Each waited for in turn, 16 new requests held a step for 16 of the server's rounds.
             client.send_hello()
         except DraftServerError as e:  # a server that is away: the session opens later (RemoteDrafter)
             log.info("%s: no hello sent yet (%s)", name, e)
@@ -279,7 +277,7 @@ class Proposer:
         stream.source = Source(inline=not drafter.asynchronous, cohosted=drafter.cohosted,
                                neighbours=max(0, drafter.neighbours - (self.on_server[drafter.client.address] - 1)),
                                server_ms=drafter.server_ms, pace_ms=drafter.pace_ms, lateness=drafter.lateness,
-                               holds=stream.holds, unsent=len(new) if stream.holds else len(tokens))
+                               holds=drafter.holds(seq), unsent=len(new) if drafter.holds(seq) else len(tokens))
         limit = min(self.k, left)
         decision = Decision() if limit <= 0 else (policy.choose(left, stream.source) if self.settings.adaptive
                                                   else Decision(limit))
@@ -299,7 +297,6 @@ class Proposer:
         tree = drafter.propose(seq, new, stream.cfg, GREEDY, max_depth=depth or ahead, deadline_ms=0, more=more)
         if drafter.misconfigured:
             raise drafter.misconfigured
-        stream.holds = drafter.holds(seq)
         if len(tree):  # a draft asked at an earlier step, here and still following the committed tokens
             return self._give(stream, tree, policy.worth(min(tree.depth(), limit)), None), None
         if not depth:
