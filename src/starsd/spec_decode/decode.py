@@ -235,12 +235,12 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                     if policy:  # (a fresh policy co-located took drafts as free, and its next draft went 10 deep)
                         policy.server_prior(drafter.level_ms)
             # a miss is a draft's: not a prompt's ingest, nor a wait for a session's Welcome (nothing went out)
-            if waited_for and depth and policy and len(tree) == 0 and waited_ms >= deadline_ms and not ingests \
-                    and drafter.holds(dseq):
+            missed = waited_for and depth and len(tree) == 0 and waited_ms >= deadline_ms
+            if missed and policy and holds and not ingests:
                 policy.missed(depth, waited_ms)
             if not within(tree, width):  # a draft server's bug (or worse) must not reach the target's model
                 tree = DraftTree.empty()
-            ingests = not drafter.holds(dseq)  # nothing went out: the next request is the reset
+            ingests = not holds  # nothing went out: the next request is the reset
         else:
             tree = DraftTree.empty()
             share = None
