@@ -235,8 +235,8 @@ def speculative_steps(target, drafter: DraftSource, prompt_ids: list[int], max_n
                     if policy:  # (a fresh policy co-located took drafts as free, and its next draft went 10 deep)
                         policy.server_prior(drafter.level_ms)
             # a miss is a draft's: not a prompt's ingest, nor a wait for a session's Welcome (nothing went out)
-            missed = waited_for and depth and len(tree) == 0 and waited_ms >= deadline_ms
-            if missed and policy and holds and not ingests:
+            if policy and waited_for and depth and len(tree) == 0 and waited_ms >= deadline_ms and holds \
+                    and not ingests:
                 policy.missed(depth, waited_ms)
             if not within(tree, width):  # a draft server's bug (or worse) must not reach the target's model
                 tree = DraftTree.empty()
