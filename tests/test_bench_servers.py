@@ -43,3 +43,23 @@ def test_bench_servers_runs_one_two_and_a_kill_and_the_killed_servers_targets_mo
     checks = result["checks"]
     assert checks["two_over_one"] > 0 and checks["killed_over_one"] > 0 and "model" not in result
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_the_prediction_cuts_batches_as_the_server_does_and_says_what_whole_batches_would_give():
+    """The simulator's figures beside the measured: its own, from batches cut short as the server
+    cuts them, and those of whole batches (the simulator before it modelled the cut), for each point."""
+    from starsd.bench.servers import predictions
+    from starsd.theory.sysmodel import Profile
+
+    profile = Profile(service_ms={1: 100.0, 2: 110.0, 4: 130.0, 8: 170.0}, return_ms=50.0, tokens_per_iteration=11.0,
+                      return_samples_ms=tuple(25.0 + 50.0 * i / 199 for i in range(200)), tokens_samples=(11,),
+                      levels_samples=(10,))  # ten levels a draft, all accepted
+    points = {"one server": {"system_tokens_per_s": 200.0}, "two servers": {"system_tokens_per_s": 300.0}}
+    got = predictions(profile, points, 8, seed=0, adaptive=False)
+    for name, point in points.items():
+        p = got[name]
+        assert p["error"] == p["predicted_tokens_per_s"] / point["system_tokens_per_s"] - 1
+        assert p["predicted_tokens_per_s"] != p["predicted_without_cuts_tokens_per_s"]
+        assert 1 < p["predicted_tokens_per_iteration"] < 11  # cut drafts commit less than whole ones
+        assert 1 <= p["predicted_mean_batch"] < 8 / (1 if name == "one server" else 2)
+    assert got["max_error"] == max(abs(got[n]["error"]) for n in points)

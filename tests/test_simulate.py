@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import random
 import time
 
 import pytest
 
 from starsd.theory import sysmodel
-from starsd.theory.simulate import SimResult, add_args, compare, main, servers_needed, simulate
+from starsd.theory.simulate import SimResult, _cut_batch, _Window, add_args, compare, main, servers_needed, simulate
 from starsd.theory.sysmodel import Profile
 
 # Serial: S(1) = 10 ms, R = 40 ms, so a lone target iterates every 50 ms and N_full = 5.
@@ -188,6 +190,46 @@ def test_latency_spreads_with_sampled_return_and_tokens():
     result = simulate(tokens, 1, serial=True)
     assert result.latency_cv > 0.1
     assert result.latency_p99_ms > result.latency_p50_ms
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches cut short, as the server cuts them (the profile's levels_samples)
+# ---------------------------------------------------------------------------------------------
+
+DEEP = Profile(service_ms={1: 100.0, 2: 110.0, 8: 150.0}, return_ms=40.0, tokens_per_iteration=11.0,
+               tokens_samples=(11,), levels_samples=(10,))  # ten levels a draft, all accepted: 10 ms a level
+
+
+def test_a_request_from_outside_cuts_a_batch_at_the_next_level():
+    for came, levels in ((25.0, 3), (30.0, 3), (-5.0, 1), (500.0, 10)):  # the first level always runs
+        q_in, window = [(came, 1)], _Window(0.0, 1e9)
+        end = _cut_batch(DEEP, [(0.0, 0)], 0.0, q_in, window, random.Random(0), 10.0)
+        assert end == pytest.approx(10.0 * levels)
+        assert window.iteration_tokens == [min(11, levels + 1)]  # the accepted prefix of what it got
+        assert [t for t, target in q_in if target == 0] == [pytest.approx(10.0 * levels + 40.0)]  # its next request
+
+
+def test_a_lone_target_is_never_cut():
+    cut, whole = simulate(DEEP, 1), simulate(dataclasses.replace(DEEP, levels_samples=()), 1)
+    assert cut.system_tokens_per_s == pytest.approx(whole.system_tokens_per_s, rel=1e-6)
+
+
+def test_cuts_shorten_the_drafts_past_saturation():
+    """Many targets on one server: requests keep coming, so batches end early, smaller and shallower;
+    the simulator without levels drafts each batch whole."""
+    spread = dataclasses.replace(DEEP, return_samples_ms=RETURN_SPREAD)  # else they come in lock step
+    cut, whole = simulate(spread, 16), simulate(dataclasses.replace(spread, levels_samples=()), 16)
+    assert cut.mean_batch < whole.mean_batch
+    tokens = cut.system_tokens_per_s * cut.t_gamma_ms / 1e3 / 16  # tokens an iteration
+    assert 1 < tokens < 11
+
+
+def test_levels_samples_must_pair_with_tokens_samples():
+    for tokens, levels in (((3, 4), (5,)), ((3,), (0,)), ((7,), (5,))):
+        with pytest.raises(ValueError):
+            Profile(service_ms={1: 10.0}, return_ms=1.0, tokens_per_iteration=2.0, tokens_samples=tokens,
+                    levels_samples=levels)
+    assert Profile.from_json(DEEP.to_json()) == DEEP
 
 
 # ---------------------------------------------------------------------------------------------

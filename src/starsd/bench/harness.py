@@ -328,6 +328,7 @@ class _Group:
         self.judged = [self.judge.start(r, self.taps) for r in rows]
         self.new: list[list[int]] = [[] for _ in rows]
         self.feats = [j.features for j in self.judged]  # the new tokens' features (EAGLE), else None
+        self.levels: list[int] = []  # each draft's levels, as verified, in the order of step's returns
 
     def left(self) -> list[int]:
         """Tokens left in each row's recording."""
@@ -352,6 +353,7 @@ class _Group:
         committed = []
         for i, tree in zip(rows, trees):
             j, tree = self.judged[i], tree.truncate(left[i] - 1)
+            self.levels.append(tree.depth())
             verdict = verify_greedy(tree, self.judge.score(j, tree, self.taps))
             if self.taps is not None:
                 self.feats[i] = j.features[torch.tensor([0] + [p + 1 for p in verdict.path])]
@@ -392,14 +394,22 @@ def measure_acceptance(drafter: Drafter, rec: Recording, cfg: C.DraftConfig,
     every prompt, drafted as `cfg` says and verified greedily against the real target's tokens: the
     workload's acceptance, not that of the few prompts a short window at N = 1 reaches. The prompts
     are drafted together, a batch per step (drafts do not depend on the batch)."""
+    return measure_drafts(drafter, rec, cfg, features)[0]
+
+
+def measure_drafts(drafter: Drafter, rec: Recording, cfg: C.DraftConfig,
+                   features: dict | None = None) -> tuple[list[int], list[int]]:
+    """measure_acceptance's tokens per iteration, and beside each the levels its draft had (its chain's
+    length: a batch cut short at level L commits min(tokens, L + 1) of it; theory/simulate.py)."""
     group = _Group(drafter, rec, [p["prompt_ids"] for p in rec.prompts.values()], features)
     out = []
     with Steps("acceptance over the recording", 1) as steps:
         steps.begin("every prompt to its end")
         while rows := [i for i, n in enumerate(group.left()) if n >= 2]:
             out += group.step(rows, cfg)
-        steps.end(f"acceptance: {statistics.fmean(out):.2f} tokens per iteration over {len(out)} iterations")
-    return out
+        steps.end(f"acceptance: {statistics.fmean(out):.2f} tokens per iteration over {len(out)} iterations, "
+                  f"{statistics.fmean(group.levels):.2f} levels a draft")
+    return out, group.levels
 
 
 @torch.inference_mode()

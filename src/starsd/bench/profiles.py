@@ -46,12 +46,14 @@ def build_profile(points: list[dict], alone: list[metrics.Iteration], target_onl
 
 def calibrated_profile(points: list[dict], sweep: dict, in_sample: sysmodel.Profile,
                        tokens: list[int] | None = None,
-                       reset_ms_per_token: float | None = None) -> sysmodel.Profile | None:
+                       reset_ms_per_token: float | None = None,
+                       levels: list[int] | None = None) -> sysmodel.Profile | None:
     """The model's inputs from separate runs only, for an out-of-sample prediction: the shape of
     S(b) from the service sweep (this process, no targets beside it), scaled to the draft server's
     own S(1) at the batched N = 1 point; R from that point (as in-sample); tau from `tokens`, the
     tokens per iteration over the whole recording (`harness.measure_acceptance`), else from that
-    point. No other point is used. None without a sweep or a batched N = 1 point.
+    point. No other point is used. None without a sweep or a batched N = 1 point. `levels`, paired
+    with `tokens` (`harness.measure_drafts`), let the simulator cut batches short as the server does.
 
     The sweep's batches are steady steps; a server also ingests each new prompt (a reset), row by
     row. With `reset_ms_per_token` (`harness.reset_cost` of the sweep), each of a batch's b requests
@@ -69,5 +71,6 @@ def calibrated_profile(points: list[dict], sweep: dict, in_sample: sysmodel.Prof
     scale = statistics.fmean(s1) / shape[1]
     out = dataclasses.replace(in_sample, service_ms={b: v * scale for b, v in shape.items()})
     if tokens:
-        out = dataclasses.replace(out, tokens_per_iteration=statistics.fmean(tokens), tokens_samples=tuple(tokens))
+        out = dataclasses.replace(out, tokens_per_iteration=statistics.fmean(tokens), tokens_samples=tuple(tokens),
+                                  levels_samples=tuple(levels or ()))
     return out

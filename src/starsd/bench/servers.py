@@ -12,8 +12,9 @@ Reported: system tokens/s and two servers' ratio to one; for the kill, whether e
 recording's (a replay target stops at the first token that differs), the moves, and each moved
 target's gap from the kill to its first drafted step after it. The simulator's prediction for one
 and two servers (theory/simulate.py) is calibrated apart, before the runs, on one server and one
-target (the service sweep, the recording's acceptance, then S(1), R and resets); it assumes a
-fixed depth (--no-draft-adaptive) and is marked so otherwise; --no-model-check skips it.
+target (the service sweep, the recording's acceptance and each draft's levels, then S(1), R and
+resets); it cuts batches short as the server does, and assumes a fixed depth (--no-draft-adaptive):
+it is marked so otherwise; --no-model-check skips it.
 Figures and the calibration: docs/scaling.md#two-draft-servers-against-one.
 """
 
@@ -126,7 +127,7 @@ def calibrate(args, inputs: harness.Inputs, runner: harness.Runner, steps: Steps
         drafter = Drafter(load_model(pair.draft_model(), pair.cache))
         sweep = harness.measure_service(drafter, inputs.recording, [b for b in (1, 2, 4, 8) if b <= args.max_batch],
                                         inputs.draft)
-        tokens = harness.measure_acceptance(drafter, inputs.recording, inputs.draft)
+        tokens, levels = harness.measure_drafts(drafter, inputs.recording, inputs.draft)
         del drafter
     finally:
         os.sched_setaffinity(0, affinity)
@@ -143,7 +144,7 @@ def calibrate(args, inputs: harness.Inputs, runner: harness.Runner, steps: Steps
     target_only = {"per_target_tokens_per_s": 1e3 / inputs.latency.mean(1)}  # a replay target decoding alone
     in_sample = profiles.build_profile([point], its, target_only, args.max_batch, modes=("batched",))
     profile = profiles.calibrated_profile([point], {b: v["service_ms"] for b, v in sweep.items()}, in_sample, tokens,
-                                       harness.reset_cost(sweep))
+                                       harness.reset_cost(sweep), levels)
     steps.end(f"S(1) {profile.service(1):.0f} ms, R {profile.return_ms:.0f} ms, tau {profile.tokens_per_iteration:.2f}")
     return profile
 
@@ -152,10 +153,15 @@ def predictions(profile: sysmodel.Profile, points: dict, n: int, seed: int, adap
     """The simulator's system tokens/s for one and two servers against the measured, and the errors."""
     out = {"profile": profile.to_json(), "adaptive": adaptive}
     for name, k in (("one server", 1), ("two servers", 2)):
-        predicted = simulate.simulate(profile, n, servers=k, seed=seed).system_tokens_per_s
+        sim = simulate.simulate(profile, n, servers=k, seed=seed)
+        predicted = sim.system_tokens_per_s
         measured = points[name]["system_tokens_per_s"]
+        uncut = simulate.simulate(dataclasses.replace(profile, levels_samples=()), n, servers=k,
+                                  seed=seed).system_tokens_per_s
         out[name] = {"servers": k, "predicted_tokens_per_s": predicted, "measured_tokens_per_s": measured,
-                     "error": predicted / measured - 1}
+                     "error": predicted / measured - 1, "predicted_without_cuts_tokens_per_s": uncut,
+                     "predicted_mean_batch": sim.mean_batch,
+                     "predicted_tokens_per_iteration": sim.per_target_tokens_per_s * sim.t_gamma_ms / 1e3}
     out["max_error"] = max(abs(out[name]["error"]) for name in ("one server", "two servers"))
     out["two_over_one_predicted"] = (out["two servers"]["predicted_tokens_per_s"]
                                      / out["one server"]["predicted_tokens_per_s"])

@@ -3,18 +3,18 @@
 The analytical model (sysmodel.py) gives steady-state means under approximations; this plays the
 star out request by request, so it also gives queueing, per-token latency spread, and answers for
 several draft servers. Terms (times in ms, as in sysmodel.py):
-- target: one target model, with one outstanding draft request at a time. An iteration runs from
-  sending a request to sending the next: the request waits in the server's queue Q_in, is drafted
-  and returns, and the target spends its return time R (verify + network); T_gamma is its mean.
+- target: one target model, one outstanding draft request at a time. An iteration runs from sending
+  a request to sending the next: queue Q_in, drafting, then its return time R (verify + network).
 - draft server: serves the targets assigned to it (target i -> server i % K). Serial: FIFO, one
-  request at a time, S(1) each. Batched (work-conserving): when idle with requests pending, it
-  drafts up to max_batch of them (arrival order) for S(b), and all their replies leave at its end.
+  request at a time, S(1) each. Batched: when idle with requests pending, it drafts up to max_batch
+  of them (arrival order) for S(b), all replies leaving at its end. With the profile's levels_samples
+  it drafts as the server does (star/server.py): level by level, a row's reply leaving when its chain
+  is whole, the batch ending at the first level after any other request arrives (`_cut_batch`).
 - idle: the share of time a server waits for verification results; utilisation is the rest.
-- N_full: the load at which one draft server is fully loaded (sysmodel.n_full).
 - per-token latency: an iteration of duration T that commits a tokens gives a samples of T / a.
-R and the tokens per iteration are drawn from the profile's return_samples_ms and tokens_samples
-(else return_ms, tokens_per_iteration). All targets send their first request at t = 0; figures come
-from a window after a warm-up. Servers share nothing: each is simulated alone, the results pooled.
+R and the tokens per iteration are drawn from the profile's samples (else its means). All targets
+send their first request at t = 0; figures come from a window after a warm-up. Servers share
+nothing: each is simulated alone, the results pooled.
 """
 
 from __future__ import annotations
@@ -108,11 +108,15 @@ def _run_server(p: Profile, targets: int, serial: bool, window: _Window, rng: ra
     q_in = [(0.0, i) for i in range(targets)]  # (arrival time, target): arrival order
     heapq.heapify(q_in)
     now = 0.0  # the time the draft server becomes idle
+    level = _level_times(p)
     while q_in and q_in[0][0] < window.end:
         start = max(now, q_in[0][0])
         batch = []
         while q_in and q_in[0][0] <= start and len(batch) < cap:
             batch.append(heapq.heappop(q_in))
+        if p.levels_samples and not serial:
+            now = _cut_batch(p, batch, start, q_in, window, rng, level(len(batch)))
+            continue
         now = start + p.service(len(batch))
         window.add_batch(start, now, [t for t, _ in batch])
         for sent, target in batch:
@@ -120,6 +124,53 @@ def _run_server(p: Profile, targets: int, serial: bool, window: _Window, rng: ra
             window.add_iteration(sent, committed, _draw(rng, p.tokens_samples, p.tokens_per_iteration))
             heapq.heappush(q_in, (committed, target))
     return window
+
+
+def _cut_batch(p: Profile, batch: list[tuple[float, int]], start: float, q_in: list, window: _Window,
+               rng: random.Random, level_ms: float) -> float:
+    """One batch drafted level by level at `level_ms` a level: each row draws its draft (tokens it
+    commits whole, its chain's levels) and its return time; a row's reply leaves when its chain is
+    whole; the batch ends at the first level boundary after a request from outside it arrives (its own
+    rows' next requests among them; the first level always runs), each row then as deep as it got and
+    committing what its accepted prefix keeps. Its requests' next ones go to Q_in; returns its end."""
+    rows = []
+    for sent, target in batch:
+        j = rng.randrange(len(p.tokens_samples))
+        rows.append((sent, target, p.tokens_samples[j], p.levels_samples[j],
+                     _draw(rng, p.return_samples_ms, p.return_ms)))
+    deepest = max(c for *_, c, _ in rows)
+    came = [start + c * level_ms + r for *_, c, r in rows if c < deepest] + ([q_in[0][0]] if q_in else [])
+    levels = deepest
+    if came and min(came) < start + deepest * level_ms:
+        levels = max(1, min(deepest, math.ceil((min(came) - start) / level_ms)))
+    end = start + levels * level_ms
+    window.add_batch(start, end, [sent for sent, *_ in rows])
+    for sent, target, tokens, chain, r in rows:
+        committed = start + min(chain, levels) * level_ms + r
+        window.add_iteration(sent, committed, min(tokens, levels + 1))
+        heapq.heappush(q_in, (committed, target))
+    return end
+
+
+def _level_times(p: Profile):
+    """A level's time by batch size b: S(b) over the levels of a batch of b drafts (the deepest of b
+    drawn from levels_samples, its expectation)."""
+    counts: dict[int, int] = {}
+    for c in p.levels_samples:
+        counts[c] = counts.get(c, 0) + 1
+    memo: dict[int, float] = {}
+
+    def level(b: int) -> float:
+        if b not in memo:
+            deepest, below = 0.0, 0
+            for c in sorted(counts):  # E[max] = sum over c of c (F(c)^b - F(c-)^b)
+                share = below / len(p.levels_samples)
+                below += counts[c]
+                deepest += c * ((below / len(p.levels_samples)) ** b - share ** b)
+            memo[b] = p.service(b) / deepest
+        return memo[b]
+
+    return level
 
 
 def _horizon(p: Profile, n: int, servers: int, serial: bool) -> tuple[float, float]:

@@ -52,6 +52,9 @@ class Profile:
     # Per-iteration samples, for the simulator's spread (empty: use the means above).
     return_samples_ms: tuple[float, ...] = field(default=(), repr=False)
     tokens_samples: tuple[int, ...] = field(default=(), repr=False)
+    # The levels each of those iterations' drafts had (its chain's length before verification), paired
+    # with tokens_samples: with them the simulator cuts a batch short as the server does (simulate.py)
+    levels_samples: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         if not self.service_ms or min(self.service_ms) < 1:
@@ -68,6 +71,10 @@ class Profile:
             raise SettingError("return_samples_ms must be >= 0 and finite")
         if any(x < 1 for x in self.tokens_samples):
             raise SettingError("tokens_samples are at least 1 each (the bonus token)")
+        if self.levels_samples and (len(self.levels_samples) != len(self.tokens_samples) or any(
+                not (1 <= c and a <= c + 1) for a, c in zip(self.tokens_samples, self.levels_samples))):
+            raise SettingError("levels_samples pair with tokens_samples: at least 1 level each, and no more "
+                               "tokens than levels + 1")
 
     def service(self, b: float) -> float:
         """S(b), ms: piecewise-linear in the measured points, extended by the last slope."""
@@ -80,6 +87,7 @@ class Profile:
         d = asdict(self)
         d["service_ms"] = {str(k): v for k, v in sorted(self.service_ms.items())}
         d["return_samples_ms"], d["tokens_samples"] = list(self.return_samples_ms), list(self.tokens_samples)
+        d["levels_samples"] = list(self.levels_samples)
         return d
 
     @classmethod
@@ -92,6 +100,7 @@ class Profile:
         d["service_ms"] = {int(k): float(v) for k, v in d["service_ms"].items()}
         d["return_samples_ms"] = tuple(float(x) for x in d.get("return_samples_ms", ()))
         d["tokens_samples"] = tuple(int(x) for x in d.get("tokens_samples", ()))
+        d["levels_samples"] = tuple(int(x) for x in d.get("levels_samples", ()))
         return cls(**d)
 
     @classmethod
