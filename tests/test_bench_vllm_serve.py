@@ -56,3 +56,25 @@ def test_a_repeated_set_gives_its_median_pass_and_says_whether_every_pass_gave_t
     runs = [{"alone": {"sets": {"1": request_set(4.0, [[1]])}},
              "star": {"sets": {"1": {**request_set(4.0, [[1]]), "passes_equal": False}}}}]
     assert figures(runs, ["alone", "star"], [1])["star"]["1"]["equal"] is False
+
+
+def test_an_engine_that_overruns_leaves_no_process_of_its_group_behind(tmp_path):
+    """vLLM's engine core and worker outlive their parent if it alone is killed (a bench stopped left
+    two holding 10 GB): run_engine kills the whole group, on a timeout as at the end."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    from starsd.bench.vllm_runs import run_engine
+
+    pids = tmp_path / "pids"
+    engine = tmp_path / "engine"  # stands where vLLM's python is: starts a child of its own, then hangs
+    engine.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pids}\nsleep 300\n")
+    engine.chmod(0o755)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_engine({}, str(engine), timeout_s=2)
+    status = Path(f"/proc/{int(pids.read_text())}/status")
+    time.sleep(0.2)
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or dead and not yet reaped

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 
 from starsd import config as C
 from starsd.errors import StarsdError
@@ -591,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     exception is a bug and shows its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    if args.command == "bench" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)  # a benchmark killed closes what it started (servers, engines)
     try:
         return args.func(args)
     except StarsdError as e:
@@ -599,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("starsd: interrupted", file=sys.stderr)
         return 130
+
+
+def _interrupted(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def one_line(message: str) -> str:

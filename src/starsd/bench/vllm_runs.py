@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -60,16 +61,30 @@ def run_engine(run: dict, python: str, proposer: ProposerSettings | None = None,
     env = {**(env or {}), **bound_to(cores)}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(run, f)
-    try:
-        err = open(log, "a") if log else subprocess.PIPE
-        done = subprocess.run([*prefix, python, "-m", "starsd.bench.vllm_engine", f.name], stdout=subprocess.PIPE,
-                              stderr=err, text=True, env=engine_env(python, proposer, extra=env), timeout=timeout_s)
-        if log:
-            err.close()
+    err = open(log, "a") if log else subprocess.PIPE
+    try:  # a group of its own: vLLM's engine core and worker outlive their parent if killed alone
+        proc = subprocess.Popen([*prefix, python, "-m", "starsd.bench.vllm_engine", f.name], stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=engine_env(python, proposer, extra=env),
+                                start_new_session=True)
+        try:
+            out, errors = proc.communicate(timeout=timeout_s)
+        finally:  # its end, a timeout or this process interrupted: nothing of the group stays behind
+            kill_group(proc)
     finally:
         os.unlink(f.name)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        tail = done.stderr[-3000:] if done.stderr else f"(see {log})"
-        raise RuntimeError(f"the vLLM engine failed (exit {done.returncode}): {tail}")
+        if log:
+            err.close()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = errors[-3000:] if errors else f"(see {log})"
+        raise RuntimeError(f"the vLLM engine failed (exit {proc.returncode}): {tail}")
     return json.loads(lines[-1])
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of a process started in a session of its own, and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
