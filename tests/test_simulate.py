@@ -209,6 +209,21 @@ def test_a_request_from_outside_cuts_a_batch_at_the_next_level():
         assert [t for t, target in q_in if target == 0] == [pytest.approx(10.0 * levels + 40.0)]  # its next request
 
 
+def test_a_rows_own_next_request_cuts_nothing():
+    """A row replied early (its chain done at level 2) sends its next request 1 ms later, while its
+    batch's other row drafts on to level 10: the server's batch does not end for it (star/server.py,
+    `_cut`: only other sessions' requests cut), nor does the simulated one."""
+    quick = dataclasses.replace(DEEP, return_ms=1.0, tokens_samples=(3, 11), levels_samples=(2, 10))
+    mixed = 0
+    for seed in range(20):
+        q_in, window = [], _Window(0.0, 1e9)
+        end = _cut_batch(quick, [(0.0, 0), (0.0, 1)], 0.0, q_in, window, random.Random(seed), 10.0)
+        got = sorted(window.iteration_tokens)
+        assert end == (100.0 if 11 in got else 20.0) and set(got) <= {3, 11}  # each draft whole
+        mixed += got == [3, 11]
+    assert mixed
+
+
 def test_a_lone_target_is_never_cut():
     cut, whole = simulate(DEEP, 1), simulate(dataclasses.replace(DEEP, levels_samples=()), 1)
     assert cut.system_tokens_per_s == pytest.approx(whole.system_tokens_per_s, rel=1e-6)

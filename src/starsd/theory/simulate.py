@@ -9,7 +9,7 @@ several draft servers. Terms (times in ms, as in sysmodel.py):
   request at a time, S(1) each. Batched: when idle with requests pending, it drafts up to max_batch
   of them (arrival order) for S(b), all replies leaving at its end. With the profile's levels_samples
   it drafts as the server does (star/server.py): level by level, a row's reply leaving when its chain
-  is whole, the batch ending at the first level after any other request arrives (`_cut_batch`).
+  is whole, the batch ending at the first level after another target's request arrives (`_cut_batch`).
 - idle: the share of time a server waits for verification results; utilisation is the rest.
 - per-token latency: an iteration of duration T that commits a tokens gives a samples of T / a.
 R and the tokens per iteration are drawn from the profile's samples (else its means). All targets
@@ -130,19 +130,19 @@ def _cut_batch(p: Profile, batch: list[tuple[float, int]], start: float, q_in: l
                rng: random.Random, level_ms: float) -> float:
     """One batch drafted level by level at `level_ms` a level: each row draws its draft (tokens it
     commits whole, its chain's levels) and its return time; a row's reply leaves when its chain is
-    whole; the batch ends at the first level boundary after a request from outside it arrives (its own
-    rows' next requests among them; the first level always runs), each row then as deep as it got and
-    committing what its accepted prefix keeps. Its requests' next ones go to Q_in; returns its end."""
+    whole; the batch ends at the first level boundary after a request of a target outside it arrives
+    (the first level always runs; its own rows' next requests cut nothing, as in the server's `_cut`),
+    each row then as deep as it got and committing what its accepted prefix keeps. Its requests' next
+    ones go to Q_in; returns its end."""
     rows = []
     for sent, target in batch:
         j = rng.randrange(len(p.tokens_samples))
         rows.append((sent, target, p.tokens_samples[j], p.levels_samples[j],
                      _draw(rng, p.return_samples_ms, p.return_ms)))
     deepest = max(c for *_, c, _ in rows)
-    came = [start + c * level_ms + r for *_, c, r in rows if c < deepest] + ([q_in[0][0]] if q_in else [])
     levels = deepest
-    if came and min(came) < start + deepest * level_ms:
-        levels = max(1, min(deepest, math.ceil((min(came) - start) / level_ms)))
+    if q_in and q_in[0][0] < start + deepest * level_ms:  # Q_in holds no target of the batch
+        levels = max(1, min(deepest, math.ceil((q_in[0][0] - start) / level_ms)))
     end = start + levels * level_ms
     window.add_batch(start, end, [sent for sent, *_ in rows])
     for sent, target, tokens, chain, r in rows:
