@@ -113,8 +113,8 @@ def first_screen_figures() -> dict[str, str]:
     amx = figure("demo-xeon-amx.json")
     split = figure("vllm-split.json")["figures"]
     two = figure("vllm-split-x2.json")["figures"]
-    split_epyc = figure("vllm-split-epyc.json")["figures"]
-    two_epyc = figure("vllm-split-x2-epyc.json")["figures"]
+    split_epyc = figure("vllm-split-epyc-2.json")["figures"]
+    two_epyc = figure("vllm-split-x2-epyc-2.json")["figures"]
     serve = [x for f in ("vllm-serve-bf16.json", "vllm-serve-fp32.json")
              for per in figure(f)["figures"]["star"].values() for x in per["vs_alone"]]
     return {
