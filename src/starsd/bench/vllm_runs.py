@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
 
 from starsd.config import ProposerSettings
 from starsd.errors import SettingError
+from starsd.star.processes import stop_group
 
 VLLM_PYTHON = ".venv-vllm/bin/python"  # make vllm's, relative to the repository
 
@@ -69,7 +69,7 @@ def run_engine(run: dict, python: str, proposer: ProposerSettings | None = None,
         try:
             out, errors = proc.communicate(timeout=timeout_s)
         finally:  # its end, a timeout or this process interrupted: nothing of the group stays behind
-            kill_group(proc)
+            stop_group(proc)
     finally:
         os.unlink(f.name)
         if log:
@@ -80,11 +80,3 @@ def run_engine(run: dict, python: str, proposer: ProposerSettings | None = None,
         raise RuntimeError(f"the vLLM engine failed (exit {proc.returncode}): {tail}")
     return json.loads(lines[-1])
 
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """Kill what is left of a process started in a session of its own, and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()

@@ -40,15 +40,19 @@ def spawn(args: list[str], prefix: list[str] = (), stderr=None, env: dict | None
 
 def stop_group(proc: subprocess.Popen, timeout_s: float = 30) -> None:
     """Stop a child started in a session of its own (`start_new_session`) and everything it started:
-    SIGINT to its process group, as Ctrl-C would, then SIGKILL after `timeout_s`."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGINT)
+    SIGINT to its process group, as Ctrl-C would, then SIGKILL to what is left of the group after
+    `timeout_s` or once the child is gone (vLLM's engine core and worker outlive a parent killed alone)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
     try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def read_json_line(proc: subprocess.Popen, key: str, timeout_s: float) -> dict:

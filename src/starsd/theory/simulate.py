@@ -20,6 +20,7 @@ nothing: each is simulated alone, the results pooled.
 from __future__ import annotations
 
 import argparse
+import collections
 import heapq
 import math
 import random
@@ -155,9 +156,7 @@ def _cut_batch(p: Profile, batch: list[tuple[float, int]], start: float, q_in: l
 def _level_times(p: Profile):
     """A level's time by batch size b: S(b) over the levels of a batch of b drafts (the deepest of b
     drawn from levels_samples, its expectation)."""
-    counts: dict[int, int] = {}
-    for c in p.levels_samples:
-        counts[c] = counts.get(c, 0) + 1
+    counts = collections.Counter(p.levels_samples)
     memo: dict[int, float] = {}
 
     def level(b: int) -> float:
