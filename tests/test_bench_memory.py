@@ -40,3 +40,23 @@ def test_safetensors_params_counts_from_the_header(tmp_path):
     raw = json.dumps(header).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(44))
     assert safetensors_params(tmp_path) == {"params": 17, "checkpoint_bytes": 44}
+
+
+def test_a_groups_peak_counts_every_process_in_it():
+    """What bench vllm-serve reads before it starts another vLLM beside one that is up (vLLM's API server,
+    engine core and worker share a process group): a child's memory counts with its parent's."""
+    import subprocess
+    import sys
+
+    from starsd.bench.rss import available, group_peak, read_status
+    from starsd.star.processes import stop_group
+
+    hold = "import sys, time; x = bytearray(64 << 20); sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                               f"{hold!r}]).wait()"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert parent.stdout.readline() == "up\n"  # the child's 64 MiB are held
+        assert read_status(parent.pid)["VmHWM"] < 64 << 20 <= group_peak(parent.pid)  # the child's counted
+        assert available() > 64 << 20
+    finally:
+        stop_group(parent)

@@ -40,21 +40,33 @@ def test_a_levels_time_is_read_by_batch_size_between_two_readings_of_the_servers
                                                    "2": {"batches": 2, "levels": 6, "ms_per_level": 50.0}}
 
 
-def test_a_repeated_set_gives_its_median_pass_and_says_whether_every_pass_gave_the_same_tokens():
-    from starsd.bench.vllm_serve import repeated
+def test_the_modes_passes_alternate_and_each_set_gives_its_median_pass():
+    """Every mode is up at once and gets a pass of each set in turn, the order reversed each repeat (a drift
+    of the host's speed weighs on both alike); a set's figure is its median pass, and whether every pass
+    gave the same tokens is kept."""
+    from types import SimpleNamespace
 
-    class Passes:  # what VllmServe.at_once returns, pass after pass
-        def __init__(self, speeds, ids):
+    from starsd.bench.vllm_serve import passes
+
+    sent = []
+
+    class Server:  # what VllmServe.at_once returns, pass after pass
+        def __init__(self, name, speeds, ids):
+            self.name = name
             self.left = [request_set(s, i) for s, i in zip(speeds, ids)]
 
         def at_once(self, prompts, max_tokens):
+            sent.append((self.name, len(prompts)))
             return self.left.pop(0)
 
-    got = repeated(Passes([5.0, 3.0, 4.0], [[[1]], [[1]], [[1]]]), [[7]], 4, 3)
-    assert got["tokens_per_s"] == 4.0 and got["passes_tokens_per_s"] == [5.0, 3.0, 4.0] and got["passes_equal"]
-    assert not repeated(Passes([5.0, 3.0], [[[1]], [[2]]]), [[7]], 4, 2)["passes_equal"]
-    runs = [{"alone": {"sets": {"1": request_set(4.0, [[1]])}},
-             "star": {"sets": {"1": {**request_set(4.0, [[1]]), "passes_equal": False}}}}]
+    up = [SimpleNamespace(name="alone", stats=None, server=Server("alone", [5.0, 3.0, 4.0], [[[1]]] * 3)),
+          SimpleNamespace(name="star", stats=None, server=Server("star", [2.0, 6.0, 1.0], [[[1]], [[2]], [[1]]]))]
+    got = passes(up, [[7], [8]], [1], 4, 3)
+    assert sent == [("alone", 1), ("star", 1), ("star", 1), ("alone", 1), ("alone", 1), ("star", 1)]
+    assert got["alone"]["sets"]["1"]["tokens_per_s"] == 4.0 and got["alone"]["sets"]["1"]["passes_equal"]
+    assert got["alone"]["sets"]["1"]["passes_tokens_per_s"] == [5.0, 3.0, 4.0]
+    assert got["star"]["sets"]["1"]["tokens_per_s"] == 2.0 and not got["star"]["sets"]["1"]["passes_equal"]
+    runs = [{"alone": got["alone"], "star": got["star"]}]
     assert figures(runs, ["alone", "star"], [1])["star"]["1"]["equal"] is False
 
 

@@ -129,3 +129,13 @@ def test_auto_dtype_follows_the_hardware():
     assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
     pair = PairConfig(device="cpu", draft_device="cuda", draft_quantize="none")
     assert pair.target_model().dtype == resolve_dtype("auto", "cpu") and pair.draft_model().dtype == "bfloat16"
+
+
+def test_the_suites_schedule_names_modules_that_exist():
+    """conftest's ALONE and FIRST name test modules: a renamed module must not fall out of them unseen
+    (it would run beside others, or last)."""
+    import conftest
+
+    here = {p.stem for p in Path(__file__).parent.glob("test_*.py")}
+    assert set(conftest.ALONE) <= here and set(conftest.FIRST) <= here
+    assert not set(conftest.ALONE) & set(conftest.FIRST)  # FIRST orders the part that runs two at a time

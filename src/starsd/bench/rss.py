@@ -60,3 +60,25 @@ class Watch:
         """The largest VmRSS sampled in the window_s seconds before t (while the models are held)."""
         recent = [s[1] for s in self.samples if t - window_s <= s[0] < t]
         return max(recent) if recent else self.samples[-1][1]
+
+
+def group_peak(pgid: int) -> int:
+    """The summed VmHWM (bytes) of every process in process group `pgid`: what a server of several
+    processes (vLLM's API server, engine core and worker) has held at most."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # state, ppid, pgrp
+            total += read_status(int(stat.parent.name)).get("VmHWM", 0)
+    return total
+
+
+def available() -> int:
+    """The host's MemAvailable (bytes)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")

@@ -1,11 +1,14 @@
 """vLLM as a person serves it: `vllm serve` behind its OpenAI endpoint, alone and with StarSD's drafts
 from a draft server started with its defaults, the requests sent by a client and timed there.
 
-Each run starts each mode afresh, in turn (never two at once), and sends the same requests: one
-request, then `--requests`' other counts at once, greedy, `--max-tokens` each (EOS ignored), each set
-`--repeats` times in a row, its figure the median pass.
+Each run starts every mode afresh and sends each the same requests: one request, then `--requests`'
+other counts at once, greedy, `--max-tokens` each (EOS ignored). Every mode is up at once and each set
+goes `--repeats` times to each mode, a pass to each in turn, its figure the median pass: this host's
+speed drifts by 10% and more within minutes, and in turn every mode meets the drift alike
+(`--one-at-a-time`: one mode up at a time, all its passes in a row).
 Modes:
-- `alone`: `vllm serve MODEL`, in the environment the README gives vLLM's CPU build;
+- `alone`: `vllm serve MODEL`, in the environment the README gives vLLM's CPU build; `alone-sync`: the
+  same with `--no-async-scheduling`, as vLLM runs with any `custom_class` proposer (StarSD's among them);
 - `star`: `starsd draft-server` with its defaults on this host, and `vllm serve` with the plug-in
   (the README's command); `star-drafting`: the same, the plug-in told to draft from a server that
   shares vLLM's cores (STARSD_COHOSTED_DRAFTS=1; with --draft-cores: STARSD_COHOSTED=no);
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -28,22 +32,27 @@ import urllib.request
 from pathlib import Path
 
 from starsd import config as C
+from starsd.bench.rss import available, group_peak
 from starsd.bench.vllm_runs import bound_to, engine_env, taskset, vllm_python
 from starsd.prompts import load as load_prompts
 from starsd.results import bar_panels, cpu_kind, summary, write_json
 from starsd.star.processes import free_port, stop_group
 
-MODES = ("alone", "star", "star-drafting", "vllm-draft-4")
+MODES = ("alone", "alone-sync", "star", "star-drafting", "vllm-draft-4")
 PLUGIN = {"method": "custom_class", "model": "starsd.vllm.Proposer", "num_speculative_tokens": 4}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="alone,star", help=f"comma-separated, of {', '.join(MODES)} (vllm-draft-K: any K)")
     p.add_argument("--requests", default="1,3", help="comma-separated: how many requests are sent at once, in turn")
-    p.add_argument("--repeats", type=int, default=3, help="times each request set is sent in a row to the same "
-                   "servers; a set's tokens/s is their median (one slow pass of a noisy host weighs on no ratio)")
-    p.add_argument("--runs", type=int, default=3, help="runs; each starts every mode afresh, in turn (every other "
-                   "run in the reverse order, so that a drift of the host's speed weighs on no mode alone)")
+    p.add_argument("--repeats", type=int, default=3, help="passes of each request set to each mode, the modes in "
+                   "turn; a set's tokens/s is its median pass (one slow pass of a noisy host weighs on no ratio)")
+    p.add_argument("--runs", type=int, default=3, help="runs; each starts every mode afresh (every other run in the "
+                   "reverse order)")
+    p.add_argument("--one-at-a-time", action="store_true", help="start one mode's servers at a time and send it "
+                   "all its passes (by default every mode is up at once and the passes alternate between them: "
+                   "the host's drift, 10%% and more within minutes here, weighs on every mode alike; the idle "
+                   "modes' servers sit beside the one that runs)")
     p.add_argument("--prompts", default="humaneval", help="prompt set: humaneval or chat")
     p.add_argument("--offset", type=int, default=20, help="first prompt of the set")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each request decodes (EOS ignored)")
@@ -61,13 +70,14 @@ class VllmServe:
     """One `vllm serve` process (with its engine core and worker, in a process group of their own)."""
 
     def __init__(self, python: str, model: str, dtype: str, speculative: dict | None, env: dict[str, str],
-                 cores: str, log: str):
+                 cores: str, log: str, flags: tuple[str, ...] = ()):
         self.port = free_port()
         self.model = model
         args = [str(Path(python).parent / "vllm"), "serve", model, "--port", str(self.port), "--host", "127.0.0.1",
                 "--dtype", dtype, "--seed", "0", "--max-num-seqs", "8"]
         if speculative:
             args += ["--speculative-config", json.dumps(speculative)]
+        args += flags
         with open(log, "a") as err:
             self.proc = subprocess.Popen([*taskset(cores), *args], stdout=err, stderr=err,
                                          env={**env, **bound_to(cores)}, start_new_session=True)
@@ -118,62 +128,106 @@ class VllmServe:
         stop_group(self.proc)
 
 
-def run_mode(mode: str, args, pair: C.PairConfig, python: str, target: str, draft: str, prompts: list[list[int]],
-             counts: list[int], log: str) -> dict:
-    """One mode's servers started, the request sets sent in turn, the servers stopped."""
-    from starsd.star.launch import start_server
+class Mode:
+    """One mode's servers, up: `vllm serve` (and its draft server, for a star mode), and where its plug-in
+    writes its counters."""
 
-    star = None
-    stats = None
-    speculative = None
-    if mode.startswith("star"):
-        with open(log, "a") as err:
-            # cores of its own: it pre-drafts while vLLM verifies (by default it waits for a co-hosted target)
-            star = start_server(pair, C.ServerConfig(predraft_cohosted=bool(args.draft_cores)),
-                                prefix=taskset(args.draft_cores),
-                                stderr=err)
-        stats = os.path.join(tempfile.mkdtemp(prefix="starsd-vllm-serve-"), "proposer.json")
-        told = {} if mode == "star" else {"cohosted": "no"} if args.draft_cores else {"cohosted_drafts": True}
-        proposer = C.ProposerSettings(connect=star.address, stats_file=stats, **told)
-        speculative = PLUGIN
-    elif mode.startswith("vllm-draft-"):
-        proposer = None
-        speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(mode.split("-")[-1])}
-    else:
-        proposer = None
-    env = engine_env(python, proposer, kv_cache_gib=args.kv_cache_gib,
-                     extra=dict(kv.split("=", 1) for kv in args.engine_env))
-    dtype = C.resolve_dtype(pair.dtype, "cpu")
-    try:
-        server = VllmServe(python, target, dtype, speculative, env, args.vllm_cores, log)
+    def __init__(self, mode: str, args, pair: C.PairConfig, python: str, target: str, draft: str, log: str):
+        from starsd.star.launch import start_server
+
+        self.name = mode
+        self.star = None
+        self.stats = None
+        speculative = proposer = None
+        if mode.startswith("star"):
+            with open(log, "a") as err:
+                # cores of its own: it pre-drafts while vLLM verifies (by default it waits for a co-hosted target)
+                self.star = start_server(pair, C.ServerConfig(predraft_cohosted=bool(args.draft_cores)),
+                                         prefix=taskset(args.draft_cores), stderr=err)
+            self.stats = os.path.join(tempfile.mkdtemp(prefix="starsd-vllm-serve-"), "proposer.json")
+            told = {} if mode == "star" else {"cohosted": "no"} if args.draft_cores else {"cohosted_drafts": True}
+            proposer = C.ProposerSettings(connect=self.star.address, stats_file=self.stats, **told)
+            speculative = PLUGIN
+        elif mode.startswith("vllm-draft-"):
+            speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(mode.split("-")[-1])}
+        env = engine_env(python, proposer, kv_cache_gib=args.kv_cache_gib,
+                         extra=dict(kv.split("=", 1) for kv in args.engine_env))
         try:
-            server.at_once(prompts[:1], 4)  # warm-up: the first request's compile and allocation
-            sets = {}
-            for n in counts:
-                before = counters(stats)
-                sets[str(n)] = repeated(server, prompts[:n], args.max_tokens, args.repeats)
-                after = counters(stats)
-                if after:  # the plug-in's counters over this set alone
-                    sets[str(n)]["plugin"] = {k: v - before.get(k, 0) for k, v in after.items()
-                                              if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.server = VllmServe(python, target, C.resolve_dtype(pair.dtype, "cpu"), speculative, env,
+                                    args.vllm_cores, log, ("--no-async-scheduling",) if mode == "alone-sync" else ())
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.close()
+        if self.star is not None:
+            self.star.close()
+        if self.stats and os.path.exists(self.stats):
+            os.unlink(self.stats)
+
+
+def run(modes: list[str], args, pair: C.PairConfig, python: str, target: str, draft: str,
+        prompts: list[list[int]], counts: list[int], log: str, order: int) -> dict:
+    """One run: every mode's servers started (one mode at a time with `--one-at-a-time`, else all of them, in
+    turn), then each request set sent `--repeats` times, a pass to each mode in turn (`order` 1 reverses the
+    modes, and each repeat reverses them again), so that every mode meets the host's drifts alike."""
+    modes = modes if order % 2 == 0 else modes[::-1]
+    groups = [[m] for m in modes] if args.one_at_a_time else [modes]
+    results = {}
+    for group in groups:
+        up: list[Mode] = []
+        try:
+            for mode in group:
+                room(up, mode)
+                up.append(Mode(mode, args, pair, python, target, draft, log))
+                up[-1].server.at_once(prompts[:1], 4)  # warm-up: the first request's compile and allocation
+            results.update(passes(up, prompts, counts, args.max_tokens, args.repeats))
+            for mode in up:
+                if mode.stats:
+                    results[mode.name]["plugin"] = counters(mode.stats)
         finally:
-            server.close()
-    finally:
-        if star is not None:
-            star.close()
-    result = {"mode": mode, "sets": sets}
-    if stats and os.path.exists(stats):
-        result["plugin"] = counters(stats)
-        os.unlink(stats)
-    return result
+            for mode in up:
+                mode.close()
+    return results
 
 
-def repeated(server: VllmServe, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
-    """`prompts` sent at once, `repeats` times in a row: the median pass's figures, every pass's tokens/s, and
-    whether every pass gave the same tokens."""
-    passes = [server.at_once(prompts, max_tokens) for _ in range(max(1, repeats))]
-    median = sorted(passes, key=lambda p: p["tokens_per_s"])[len(passes) // 2]
-    return {**median, "passes_tokens_per_s": [p["tokens_per_s"] for p in passes],
+def room(up: list[Mode], mode: str) -> None:
+    """Refuses to start `mode` beside the modes `up` where the host lacks the memory the largest of them
+    has held: the kernel would kill a worker halfway through the run."""
+    if not up:
+        return
+    need = max(group_peak(m.server.proc.pid) for m in up)
+    if available() < need * 1.1:
+        raise SystemExit(f"bench vllm-serve: {available() / 2**30:.1f} GiB free, and {mode} would need about "
+                         f"{need / 2**30:.1f} GiB beside the {len(up)} mode(s) up: use --one-at-a-time, fewer modes "
+                         "or a smaller --kv-cache-gib")
+
+
+def passes(up: list[Mode], prompts: list[list[int]], counts: list[int], max_tokens: int, repeats: int) -> dict:
+    """Each request set sent `repeats` times to every mode, a pass to each in turn (the order reversed each
+    repeat): per mode and set, the median pass and the plug-in's counters over that set."""
+    results: dict = {mode.name: {"mode": mode.name, "sets": {}} for mode in up}
+    for n in counts:
+        before = {mode.name: counters(mode.stats) for mode in up}
+        done: dict[str, list[dict]] = {mode.name: [] for mode in up}
+        for r in range(max(1, repeats)):
+            for mode in (up if r % 2 == 0 else up[::-1]):
+                done[mode.name].append(mode.server.at_once(prompts[:n], max_tokens))
+        for mode in up:
+            got = results[mode.name]["sets"][str(n)] = median(done[mode.name])
+            after = counters(mode.stats)
+            if after:  # the plug-in's counters over this set alone
+                got["plugin"] = {k: v - before[mode.name].get(k, 0) for k, v in after.items()
+                                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return results
+
+
+def median(passes: list[dict]) -> dict:
+    """The median pass's figures, every pass's tokens/s, and whether every pass gave the same tokens."""
+    middle = sorted(passes, key=lambda p: p["tokens_per_s"])[len(passes) // 2]
+    return {**middle, "passes_tokens_per_s": [p["tokens_per_s"] for p in passes],
             "passes_equal": all(p["token_ids"] == passes[0]["token_ids"] for p in passes)}
 
 
@@ -195,6 +249,9 @@ def main(args) -> int:
     draft = str(pinned.model_dir(pair.draft, pair.cache)) if pair.draft in pinned.PINNED else pair.draft
     counts = [int(n) for n in args.requests.split(",")]
     modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES and not re.fullmatch(r"vllm-draft-[1-9][0-9]*", m)]
+    if unknown:
+        raise SystemExit(f"bench vllm-serve: no mode {', '.join(unknown)} (modes: {', '.join(MODES)}, vllm-draft-K)")
     tokenizer = load_tokenizer(pair.target, pair.cache)
     prompts = [p.encode(tokenizer) for p in load_prompts(args.prompts)[args.offset:args.offset + max(counts)]]
     base = os.path.splitext(args.json_out)[0]
@@ -202,12 +259,11 @@ def main(args) -> int:
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     runs = []
     for r in range(args.runs):
-        results = {}
-        for mode in (modes if r % 2 == 0 else modes[::-1]):
-            results[mode] = run_mode(mode, args, pair, python, target, draft, prompts, counts, log)
+        results = run(modes, args, pair, python, target, draft, prompts, counts, log, r)
+        for mode in modes:
             speeds = ", ".join(f"{n}: {s['tokens_per_s']:.2f}" for n, s in results[mode]["sets"].items())
             print(f"run {r + 1}, {mode}: tokens/s {speeds}", flush=True)
-        runs.append(results)
+        runs.append({mode: results[mode] for mode in modes})
     out = {"benchmark": "vllm-serve", "cpu": cpu_kind(), "dtype": C.resolve_dtype(pair.dtype, "cpu"),
            "vllm_cores": args.vllm_cores or "all", "draft_cores": args.draft_cores or "all",
            "what_is_real": "every part: vllm serve, a real draft server, requests over HTTP",
