@@ -19,6 +19,8 @@ def test_each_ratio_is_taken_against_alone_in_the_same_run():
     assert got["star"]["1"]["equal"] is False  # run 2's text parted from alone's
     assert got["star"]["1"]["drafted_tokens"] == [8, 4] and got["star"]["1"]["accepted_tokens"] == [5, 1]
     assert got["alone"]["1"]["equal"] is True and "drafted_tokens" not in got["alone"]["1"]
+    without_alone = figures([{m: run[m] for m in ("star", "alone")} for run in runs], ["star"], [1])
+    assert without_alone["star"]["1"]["vs_star"] == [1.0, 1.0]  # the first mode is the reference
 
 
 def test_core_lists_read_as_taskset_writes_them():

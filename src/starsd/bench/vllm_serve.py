@@ -270,29 +270,36 @@ def main(args) -> int:
            "runs": runs, "figures": figures(runs, modes, counts)}
     write_json(args.json_out, out)
     plot(f"{base}.png", out["figures"], out)
-    rows = [[f"{mode}, {n} at once", f"{f['tokens_per_s']}", f"{f['vs_alone']}", f.get("equal"),
+    ref = reference(modes)
+    rows = [[f"{mode}, {n} at once", f"{f['tokens_per_s']}", f"{f[f'vs_{ref}']}", f.get("equal"),
              f.get("drafted_tokens"), f.get("accepted_tokens")]
             for mode, by_n in out["figures"].items() for n, f in by_n.items()]
-    summary("bench vllm-serve", ["mode", "tokens/s per run", "vs alone per run", "texts equal alone's",
+    summary("bench vllm-serve", ["mode", "tokens/s per run", f"vs {ref} per run", f"texts equal {ref}'s",
                                  "drafted", "accepted"], rows,
             {"cpu": out["cpu"], "dtype": out["dtype"], "cores": f"vLLM {out['vllm_cores']}, draft server "
              f"{out['draft_cores']}"}, {"json": args.json_out, "plot": f"{base}.png"})
     return 0
 
 
+def reference(modes: list[str]) -> str:
+    """The mode every other is compared with: alone where it runs, else the first."""
+    return "alone" if "alone" in modes else modes[0]
+
+
 def figures(runs: list[dict], modes: list[str], counts: list[int]) -> dict:
-    """Per mode and request count: tokens/s in each run, its ratio to alone's in the same run, and
-    whether its texts equal alone's."""
+    """Per mode and request count: tokens/s in each run, its ratio to the reference mode's in the same
+    run (`vs_alone`, or `vs_` the first mode where alone did not run), and whether its texts equal the
+    reference's."""
+    ref = reference(modes)
     out: dict = {}
     for mode in modes:
         for n in map(str, counts):
             speeds = [run[mode]["sets"][n]["tokens_per_s"] for run in runs]
             f = {"tokens_per_s": [round(s, 2) for s in speeds]}
-            if "alone" in modes:
-                f["vs_alone"] = [round(run[mode]["sets"][n]["tokens_per_s"] / run["alone"]["sets"][n]["tokens_per_s"],
-                                       3) for run in runs]
-                f["equal"] = all(run[mode]["sets"][n]["token_ids"] == run["alone"]["sets"][n]["token_ids"]
-                                 and run[mode]["sets"][n].get("passes_equal", True) for run in runs)
+            f[f"vs_{ref}"] = [round(run[mode]["sets"][n]["tokens_per_s"] / run[ref]["sets"][n]["tokens_per_s"], 3)
+                              for run in runs]
+            f["equal"] = all(run[mode]["sets"][n]["token_ids"] == run[ref]["sets"][n]["token_ids"]
+                             and run[mode]["sets"][n].get("passes_equal", True) for run in runs)
             plugin = [run[mode]["sets"][n].get("plugin") for run in runs]
             if all(plugin):
                 f["drafted_tokens"] = [p["proposed"] for p in plugin]
