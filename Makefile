@@ -54,12 +54,11 @@ models: $(STAMP)
 demo: models
 	$(VENV)/bin/starsd demo --targets 2 --max-tokens 64 --json-out results/demo.json
 
-# The real pair was just fetched: its tests must run, not skip. Two at a time, the longest modules first
-# (tests/conftest.py, FIRST), but for the modules that must run alone (tests/conftest.py, ALONE), which run
-# after, one at a time. Each part has 40 minutes (about 10-13 here): a pytest worker that crashes leaves
-# pytest-xdist waiting forever.
+# The real pair was just fetched: its tests must run, not skip. Two at a time, but for the modules
+# that must run alone (tests/conftest.py, ALONE), which run after, one at a time. Each part has 40
+# minutes (about 7-13 here): a pytest worker that crashes leaves pytest-xdist waiting forever.
 test: models vllm
-	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q -rs --durations=10 -n 2 --dist loadfile --no-loadscope-reorder -m "not alone"; a=$$?; \
+	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q -rs --durations=10 -n 2 --dist loadfile -m "not alone"; a=$$?; \
 	STARSD_REQUIRE_REAL=1 timeout -k 30 40m $(PY) -m pytest -q -rs --durations=10 -m alone; b=$$?; \
 	for rc in $$a $$b; do test $$rc != 124 || echo "make test: a part of the suite ran past 40 minutes and was stopped"; done; \
 	test $$a = 0 && test $$b = 0

@@ -19,21 +19,10 @@ ALONE = {"test_bench_metrics", "test_bench_soak", "test_draft_host", "test_failo
          "test_netns", "test_placement", "test_ray", "test_real_pair", "test_security", "test_supervise"}
 
 
-# The modules that take a minute and more here (vLLM engines, llama.cpp, stars of processes) go first, the
-# longest first: `make test` hands modules to its two workers in this order (--no-loadscope-reorder), and
-# they finish close together. By their count of tests (pytest-xdist's default) the longest came last,
-# and one worker ran the last of them while the other had nothing left.
-FIRST = ["test_vllm_serve", "test_vllm_sampled", "test_distributed", "test_vllm", "test_bench_servers",
-         "test_llamacpp", "test_serve", "test_bench_llamacpp", "test_eagle", "test_verify", "test_bench_latency",
-         "test_bench_sampled_link"]
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in ALONE:
             item.add_marker(pytest.mark.alone)
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__, len(FIRST)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -132,10 +132,9 @@ def test_auto_dtype_follows_the_hardware():
 
 
 def test_the_suites_schedule_names_modules_that_exist():
-    """conftest's ALONE and FIRST name test modules: a renamed module must not fall out of them unseen
-    (it would run beside others, or last)."""
+    """conftest's ALONE names test modules: a renamed module must not fall out of it unseen (it would run
+    beside others)."""
     import conftest
 
     here = {p.stem for p in Path(__file__).parent.glob("test_*.py")}
-    assert set(conftest.ALONE) <= here and set(conftest.FIRST) <= here
-    assert not set(conftest.ALONE) & set(conftest.FIRST)  # FIRST orders the part that runs two at a time
+    assert set(conftest.ALONE) <= here
