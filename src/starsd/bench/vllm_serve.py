@@ -138,6 +138,7 @@ class Mode:
         self.name = mode
         self.star = None
         self.stats = None
+        self.server: VllmServe | None = None
         speculative = proposer = None
         if mode.startswith("star"):
             with open(log, "a") as err:
@@ -160,7 +161,7 @@ class Mode:
             raise
 
     def close(self) -> None:
-        if getattr(self, "server", None) is not None:
+        if self.server is not None:
             self.server.close()
         if self.star is not None:
             self.star.close()
@@ -199,8 +200,9 @@ def room(up: list[Mode], mode: str) -> None:
     if not up:
         return
     need = max(group_peak(m.server.proc.pid) for m in up)
-    if available() < need * 1.1:
-        raise SystemExit(f"bench vllm-serve: {available() / 2**30:.1f} GiB free, and {mode} would need about "
+    free = available()
+    if free < need * 1.1:
+        raise SystemExit(f"bench vllm-serve: {free / 2**30:.1f} GiB free, and {mode} would need about "
                          f"{need / 2**30:.1f} GiB beside the {len(up)} mode(s) up: use --one-at-a-time, fewer modes "
                          "or a smaller --kv-cache-gib")
 
